@@ -1,0 +1,29 @@
+# Two entry points on a fresh machine with only Python 3.11: `make train` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup train test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# Pin the CPU build of torch first: a bare range would pull a multi-GB CUDA build on these machines.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/dynmo-train $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dynmo_lightning tests examples
+
+test: $(STAMP) lint
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

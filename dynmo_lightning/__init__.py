@@ -1,0 +1,14 @@
+"""DynMo for PyTorch Lightning: balanced and elastic pipeline-parallel training of dynamic LLMs.
+
+Importing the package registers the strategy name ``"dynmo"``, so ``Trainer(strategy="dynmo")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from dynmo_lightning.strategy import DynMoStrategy
+
+if DynMoStrategy.strategy_name not in StrategyRegistry:
+    DynMoStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["DynMoStrategy"]
+__version__ = "0.1.0"

@@ -1,0 +1,45 @@
+"""Planning core of DynMo: which layers each pipeline stage should hold, and whether moving them pays.
+
+Planning only: standard library and NumPy, no torch, no torch.distributed, no Lightning. Plain sequences of numbers
+go in, plain lists and floats come out; carrying a plan out is the pipeline runtime's job.
+
+Partitions are lists of layers per stage, in pipeline order: ``n_stages`` integers, each at least 1, summing to
+the number of layers, stage ``i`` holding the next contiguous block. Stages and layers are numbered from 0
+(also in error messages).
+
+* :func:`partition` - ``partition(costs, n_stages, *, method="optimal", memory=None, capacity=None)``, with
+  methods :data:`METHODS`: ``"optimal"`` (exact minimum bottleneck, optionally under per-stage memory capacities),
+  ``"uniform"`` (by layer count), ``"params"`` (optimal split of parameter counts, the DeepSpeed baseline done
+  exactly), ``"static_time"`` (optimal split of times profiled once, the torchgpipe baseline) and ``"diffusion"``
+  (decentralised neighbour-only protocol from the uniform split; it ends on an optimal split).
+* :func:`diffuse` - the diffusion protocol from any starting split; :class:`DiffusionResult` reports the split,
+  rounds used, bottleneck and whether it finished within ``max_rounds``.
+* :func:`bottleneck`, :func:`stage_loads`, :func:`validate_partition` - measure and check partitions.
+* :class:`InfeasibleMemoryError` (a ``ValueError``) - no split fits the capacities; the message says why.
+* Cost model (:mod:`~dynmo_lightning.balance.cost_model`): :func:`stage_times`, :func:`step_time`,
+  :func:`bubble_fraction`, :func:`should_repartition` - GPipe/1F1B step time under a split, and whether a
+  re-partition saves more than the migration costs.
+
+Invalid arguments raise ``ValueError`` with a message naming the bad value and how to fix it.
+"""
+
+from dynmo_lightning.balance.cost_model import bubble_fraction, should_repartition, stage_times, step_time
+from dynmo_lightning.balance.diffusion import DiffusionResult, diffuse
+from dynmo_lightning.balance.layout import bottleneck, stage_loads, validate_partition
+from dynmo_lightning.balance.optimal import InfeasibleMemoryError
+from dynmo_lightning.balance.partition import METHODS, partition
+
+__all__ = [
+    "METHODS",
+    "DiffusionResult",
+    "InfeasibleMemoryError",
+    "bottleneck",
+    "bubble_fraction",
+    "diffuse",
+    "partition",
+    "should_repartition",
+    "stage_loads",
+    "stage_times",
+    "step_time",
+    "validate_partition",
+]

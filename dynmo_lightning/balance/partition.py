@@ -1,0 +1,75 @@
+"""One entry point for every partitioning method."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dynmo_lightning.balance._validation import as_capacities, as_stage_count, as_values
+from dynmo_lightning.balance.diffusion import diffuse
+from dynmo_lightning.balance.optimal import optimal_split
+
+METHODS = ("optimal", "uniform", "params", "static_time", "diffusion")
+
+
+def _uniform(n_layers: int, n_stages: int) -> list[int]:
+    size, extra = divmod(n_layers, n_stages)
+    return [size + 1] * extra + [size] * (n_stages - extra)
+
+
+def partition(
+    costs: Sequence[float],
+    n_stages: int,
+    *,
+    method: str = "optimal",
+    memory: Sequence[float] | None = None,
+    capacity: float | Sequence[float] | None = None,
+) -> list[int]:
+    """Split layers into contiguous pipeline stages.
+
+    What each ``method`` does:
+
+    * ``"optimal"``: the split minimising the bottleneck (largest stage cost), exactly. Why: whether a split within
+      a bound ``B`` exists is monotone in ``B`` and decided exactly by a greedy (each stage takes the longest block
+      within ``B``; no split covers more layers) or, with per-stage capacities, a dynamic programme; the optimum is
+      a block sum; and a bisection whose ends snap onto block sums (a feasible probe's bottleneck above, the least
+      block sum that could change a failing probe below) halves the gap with every probe and stops on the optimum
+      itself, with no epsilon (details: :func:`~dynmo_lightning.balance.optimal.optimal_split`). With ``memory``
+      and ``capacity``, only splits whose every stage fits its capacity count. Among optimal splits the
+      lexicographically largest is returned: each stage, left to right, takes as many layers as it can while the
+      rest still fits the optimum.
+    * ``"uniform"``: by layer count only; sizes differ by at most one, larger stages first (10 layers on 4 stages:
+      ``[3, 3, 2, 2]``). Costs count only through their length, and memory limits are not enforced.
+    * ``"params"``: DeepSpeed-style balancing of parameter counts; pass per-layer parameter counts as ``costs``.
+      It is the optimal split of those counts, which DeepSpeed's ``partition_balanced`` only approximates.
+    * ``"static_time"``: torchgpipe's ``balance_by_time``; pass per-layer times profiled once at the start. It is
+      the optimal split of those times; never re-planning afterwards is the caller's policy.
+    * ``"diffusion"``: the neighbour-only protocol of :func:`~dynmo_lightning.balance.diffusion.diffuse`, started
+      from the uniform split; it ends on an optimal split. It needs one capacity shared by all stages.
+
+    Args:
+        costs: per-layer cost (time, parameter count, ...), in model order; finite and non-negative.
+        n_stages: number of pipeline stages, between 1 and ``len(costs)``.
+        method: one of :data:`METHODS`.
+        memory: memory each layer needs; requires ``capacity``.
+        capacity: memory a stage may hold: one number for all stages or one per stage; requires ``memory``.
+
+    Returns:
+        Layers per stage: ``n_stages`` integers, each at least 1, summing to ``len(costs)``; stage ``i`` holds the
+        next contiguous block of layers.
+
+    Raises:
+        ValueError: for an unknown method, ``n_stages`` below 1 or above the number of layers, a negative or
+            non-finite cost, a memory list of the wrong length, or only one of ``memory`` and ``capacity``.
+        InfeasibleMemoryError: if no split respects the capacities (the message names the stage or layer).
+
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown partition method {method!r}; valid methods: {', '.join(METHODS)}")
+    values = as_values(costs, "costs")
+    count = as_stage_count(n_stages, values.size)
+    limits = as_capacities(memory, capacity, values.size, count)
+    if method == "uniform":
+        return _uniform(values.size, count)
+    if method == "diffusion":
+        return diffuse(values, _uniform(values.size, count), memory=memory, capacity=capacity).layers_per_stage
+    return optimal_split(values, count, limits)

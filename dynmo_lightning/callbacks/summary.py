@@ -1,0 +1,106 @@
+"""RunSummary: the ``summary.json`` of a training run (losses, throughput, world size, partitions, parameter norm)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+
+class RunSummary(Callback):
+    """Write ``summary.json`` into ``run_dir`` at the end of training (global rank 0 writes; all ranks compute).
+
+    Keys: ``steps``, ``losses`` (one per optimizer step), ``final_loss``, ``val_loss``, ``tokens_per_s`` (training
+    tokens per second of training time, validation excluded), ``world_size_start``, ``world_size_end``, ``world_size``
+    (``[{"step", "world_size"}]``), ``partitions`` (``[{"step", "layers_per_stage"}]``, from the strategy when it
+    splits the model), ``param_norm`` (float64 L2 norm of all final parameters, across pipeline stages).
+
+    Args:
+        run_dir: directory of the run.
+
+    """
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.losses: list[float] = []
+        self.tokens = 0
+        self._train_time = 0.0
+        self._t0: float | None = None
+        self.world_size_start = 1
+        self.world_sizes: list[dict[str, int]] = []
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.world_size_start = trainer.world_size
+        self.world_sizes = [{"step": trainer.global_step, "world_size": trainer.world_size}]
+        self._t0 = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        # Data-parallel replicas each consume their own batch; pipeline stages of one replica share one.
+        replicas = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)
+        self.tokens += int(inputs.numel()) * int(replicas)
+        if self.world_sizes and self.world_sizes[-1]["world_size"] != trainer.world_size:
+            self.world_sizes.append({"step": trainer.global_step, "world_size": trainer.world_size})
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._pause()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.training:
+            self._t0 = time.perf_counter()
+
+    def _pause(self) -> None:
+        if self._t0 is not None:
+            self._train_time += time.perf_counter() - self._t0
+            self._t0 = None
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._pause()
+        norm = _param_norm(trainer, pl_module)
+        if not trainer.is_global_zero:
+            return
+        val = trainer.callback_metrics.get("val_loss")
+        summary = {
+            "steps": trainer.global_step,
+            "losses": self.losses,
+            "final_loss": self.losses[-1] if self.losses else None,
+            "val_loss": float(val) if val is not None else None,
+            "tokens_per_s": self.tokens / self._train_time if self._train_time > 0 else None,
+            "world_size_start": self.world_size_start,
+            "world_size_end": trainer.world_size,
+            "world_size": self.world_sizes,
+            "partitions": list(getattr(trainer.strategy, "partitions", [])),
+            "param_norm": norm,
+        }
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+def _param_norm(trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
+    """L2 norm of all parameters in float64; a pipeline strategy holds disjoint parameters per stage: sum them."""
+    device = trainer.strategy.root_device
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for p in pl_module.parameters():
+        sq += p.detach().to(torch.float64).square().sum().to(device)
+    group = getattr(trainer.strategy, "pp_group", None)
+    if hasattr(trainer.strategy, "pp_group") and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+    return math.sqrt(float(sq))

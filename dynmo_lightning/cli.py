@@ -1,0 +1,116 @@
+"""Hydra entry points: ``dynmo-train``.
+
+``dynmo-train`` composes ``conf/config.yaml`` (groups ``model``, ``data``, ``trainer``, ``strategy``), trains, and
+writes ``summary.json``, ``csv/metrics.csv`` and ``checkpoints/final.ckpt`` (plus ``last.ckpt`` on schedule) into
+the run directory (``hydra.run.dir``; in a multirun, each job's own directory).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as L
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf, read_write
+
+import dynmo_lightning  # noqa: F401  (registers strategy="dynmo")
+from dynmo_lightning.callbacks import RunSummary
+
+#: Environment variables Lightning's process launcher sets for the ranks it starts.
+_LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+#: The Hydra config groups (``conf/`` of the checkout; the package is installed in editable mode).
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _pin_multirun_job() -> None:
+    """Make Lightning's launcher re-run *this* multirun job, not the whole sweep, in the worker processes.
+
+    Lightning starts ranks 1..N-1 by re-running ``sys.argv`` with ``hydra.run.dir`` set to the run directory. In a
+    multirun, ``sys.argv`` holds the sweep and ``-m``, so each worker would start a sweep of its own. Pointing both
+    at this job (its task overrides, its output directory) starts exactly the job's ranks.
+    """
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return
+    sys.argv = [sys.argv[0], *hc.overrides.task]
+    with read_write(hc.run):
+        hc.run.dir = hc.runtime.output_dir
+
+
+def build_trainer(cfg: DictConfig, callbacks: list[Any] | None = None) -> L.Trainer:
+    """Instantiate the Trainer of a config with the strategy, loggers and standard callbacks."""
+    run_dir = cfg.run_dir
+    loggers: list[Any] = []
+    if cfg.logger.csv:
+        loggers.append(CSVLogger(run_dir, name="", version="csv"))
+    if cfg.logger.tensorboard:
+        loggers.append(TensorBoardLogger(run_dir, name="", version="tensorboard"))
+    checkpoint = ModelCheckpoint(
+        dirpath=f"{run_dir}/checkpoints",
+        save_last=cfg.checkpoint.save_last,
+        save_top_k=0,
+        every_n_train_steps=cfg.checkpoint.every_n_train_steps,
+    )
+    all_callbacks = [RunSummary(run_dir), checkpoint, *(callbacks or [])]
+    if loggers:
+        all_callbacks.append(LearningRateMonitor(logging_interval="step"))
+    return instantiate(
+        cfg.trainer,
+        strategy=instantiate(cfg.strategy),
+        callbacks=all_callbacks,
+        logger=loggers or False,
+        default_root_dir=run_dir,
+        _convert_="partial",
+    )
+
+
+def run(cfg: DictConfig) -> float | None:
+    """Train one configuration; returns the final training loss (for Hydra sweepers)."""
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model, _convert_="all")
+    trainer = build_trainer(cfg)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    # The end-of-training state, whatever the checkpoint schedule (every process takes part in writing it).
+    trainer.save_checkpoint(f"{cfg.run_dir}/checkpoints/final.ckpt")
+    summary = next(c for c in trainer.callbacks if isinstance(c, RunSummary))
+    return summary.losses[-1] if summary.losses else None
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def _train_main(cfg: DictConfig) -> float | None:
+    _pin_multirun_job()
+    OmegaConf.resolve(cfg)
+    env = {k: os.environ.get(k) for k in _LAUNCHER_ENV}
+    try:
+        return run(cfg)
+    finally:
+        # The next job of a multirun starts a new world in this same process: drop this job's process group and the
+        # variables Lightning's launcher exported (with LOCAL_RANK set, it would think the next job's ranks were
+        # started externally and wait for them).
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def train() -> None:
+    """Console script ``dynmo-train``."""
+    _train_main()
+
+
+if __name__ == "__main__":
+    train()

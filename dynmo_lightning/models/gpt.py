@@ -1,0 +1,256 @@
+"""A readable decoder-only GPT that implements the pipeline protocol.
+
+The model is a chain of self-contained layers: ``Embedding`` (token + position), ``n_layer`` transformer ``Block`` s and
+a ``Head`` (final norm + vocabulary projection). ``pipeline_layers()`` returns exactly that chain, so any contiguous
+run of layers is a valid pipeline stage and rebalancing can move any block anywhere.
+
+Layers are created in ``configure_model`` so that a pipeline strategy can create them on the meta device and
+materialise each one only on the stage that owns it. Every layer is initialised from its own seed
+(:func:`~dynmo_lightning.protocol.layer_seed`), so layer ``i`` has the same weights whichever process builds it and
+whether or not the model is split.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dynmo_lightning.protocol import init_layer, run_layers
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding: ``(B, T)`` token ids to ``(B, T, C)`` hidden states."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Embed token ids ``(B, T)``."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention on ``(B, T, C)`` hidden states."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
+        self.n_head = n_head
+        self.head_dim = n_embd // n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_head * self.head_dim, bias=bias)
+        self.proj = nn.Linear(n_head * self.head_dim, n_embd, bias=bias)
+        self.dropout = dropout
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Attend causally over ``(B, T, C)``."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network with a GELU."""
+
+    def __init__(self, n_embd: int, hidden: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n_embd, hidden, bias=bias)
+        self.proj = nn.Linear(hidden, n_embd, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the MLP position-wise."""
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
+
+    def __init__(self, n_embd: int, n_head: int, mlp_hidden: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = MLP(n_embd, mlp_hidden, dropout, bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the block to hidden states ``(B, T, C)``."""
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final layer norm and projection to vocabulary logits."""
+
+    def __init__(self, n_embd: int, vocab_size: int, bias: bool) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits ``(B, T, V)``."""
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT(L.LightningModule):
+    """Decoder-only GPT for next-token prediction, ready for pipeline parallelism.
+
+    Args:
+        vocab_size: number of token ids.
+        block_size: maximum (and training) sequence length.
+        n_layer: number of transformer blocks; the pipeline sees ``n_layer + 2`` layers (embedding, blocks, head).
+        n_head: attention heads per block.
+        n_embd: hidden size.
+        mlp_ratio: MLP hidden size as a multiple of ``n_embd``.
+        dropout: dropout probability (0 keeps pipeline runs bit-comparable to single-process runs).
+        bias: whether linear layers and norms have biases.
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay of weight matrices (biases, norms and embeddings are not decayed).
+        betas: AdamW betas.
+        warmup_steps: linear learning-rate warm-up steps (0 disables the schedule).
+        lr_decay_steps: cosine decay length after warm-up; ``None`` keeps the peak rate after warm-up.
+        min_lr_ratio: the floor of the cosine decay as a fraction of ``lr``.
+        init_seed: base seed of the per-layer initialisation.
+
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 64,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        bias: bool = True,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        lr_decay_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+        init_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if n_layer < 1:
+            raise ValueError(f"model.n_layer={n_layer}: a GPT needs at least one block")
+        self.save_hyperparameters()
+        self.pipeline_init_seed = init_seed
+        self.embed: Embedding | None = None
+        self.blocks: nn.ModuleList | None = None
+        self.head: Head | None = None
+
+    def configure_model(self) -> None:
+        """Create the layers (on the meta device under a pipeline strategy, else initialised right here)."""
+        if self.blocks is not None:
+            return
+        hp = self.hparams
+        self.embed = Embedding(hp.vocab_size, hp.block_size, hp.n_embd, hp.dropout)
+        self.blocks = nn.ModuleList(
+            Block(hp.n_embd, hp.n_head, hp.mlp_ratio * hp.n_embd, hp.dropout, hp.bias) for _ in range(hp.n_layer)
+        )
+        self.head = Head(hp.n_embd, hp.vocab_size, hp.bias)
+        for i, layer in enumerate(self.pipeline_layers()):
+            if not any(p.is_meta for p in layer.parameters()):
+                init_layer(self, i, layer, self.pipeline_init_seed)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Pipeline protocol
+    # ----------------------------------------------------------------------------------------------------------------
+    def pipeline_layers(self) -> list[nn.Module]:
+        """Embedding, the blocks, and the head, in order."""
+        if self.blocks is None:
+            self.configure_model()
+        return [self.embed, *self.blocks, self.head]
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        """Mean next-token cross-entropy of one micro-batch."""
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+    def pipeline_init_layer(self, index: int, layer: nn.Module) -> None:
+        """GPT-2 initialisation; residual projections are scaled down by ``1/sqrt(2 * n_layer)``."""
+        std = 0.02
+        for name, p in layer.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.hparams.n_layer))
+            elif p.dim() >= 2:
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif "ln" in name and name.endswith("weight"):
+                nn.init.ones_(p)
+            else:
+                nn.init.zeros_(p)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Plain (single-process) Lightning use
+    # ----------------------------------------------------------------------------------------------------------------
+    def forward(self, idx: Tensor) -> Tensor:
+        """Logits ``(B, T, vocab_size)`` for token ids ``(B, T)``."""
+        return run_layers(self.pipeline_layers(), idx)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Single-process training step (a pipeline strategy runs its own schedule instead)."""
+        x, y = batch
+        loss = self.pipeline_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        """Single-process validation step."""
+        x, y = batch
+        loss = self.pipeline_loss(self(x), y)
+        self.log("val_loss", loss, prog_bar=True)
+        self.log("val_ppl", torch.exp(loss))
+
+    def configure_optimizers(self) -> Any:
+        """AdamW with two groups (matrices decayed; biases, norms, embeddings not) and optional warm-up/cosine.
+
+        The two groups always exist, even empty, so that every pipeline stage has the same group layout (needed to
+        move optimizer state between stages and to write stage-independent checkpoints).
+        """
+        hp = self.hparams
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            is_matrix = p.dim() >= 2 and ".wte." not in f".{name}" and ".wpe." not in f".{name}"
+            (decay if is_matrix else no_decay).append(p)
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": hp.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+        )
+        if hp.warmup_steps <= 0 and hp.lr_decay_steps is None:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, _WarmupCosine(hp.warmup_steps, hp.lr_decay_steps, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class _WarmupCosine:
+    """Linear warm-up then cosine decay to ``min_ratio``; picklable so the scheduler state checkpoints cleanly."""
+
+    def __init__(self, warmup: int, decay: int | None, min_ratio: float) -> None:
+        self.warmup, self.decay, self.min_ratio = warmup, decay, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.decay is None:
+            return 1.0
+        t = min(1.0, (step - self.warmup) / max(1, self.decay))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * t))

@@ -1,0 +1,114 @@
+"""Which layers this process holds, and where each layer lives inside the user's LightningModule.
+
+A pipeline stage owns a contiguous run of the model's ``pipeline_layers()``. Layers owned by other stages are replaced,
+in the user's module tree, by :class:`RemoteLayer` placeholders that hold no parameters: the module's
+``parameters()``, ``state_dict()`` and the optimizer built by ``configure_optimizers`` then see only local layers,
+with the unsplit model's parameter names. Moving a layer in or out swaps the real module and the placeholder in
+every slot the layer occupies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from dynmo_lightning.protocol import run_layers
+
+
+class RemoteLayer(nn.Module):
+    """Stand-in for a layer that lives on another pipeline stage (no parameters, cannot run)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args: object) -> None:
+        """Refuse to run: the layer's weights are on another process."""
+        raise RuntimeError(
+            f"Pipeline layer {self.index} lives on another stage. Under DynMoStrategy the model runs through the "
+            "pipeline schedule; call the Trainer (fit/validate/test/predict) instead of the module's forward."
+        )
+
+    def extra_repr(self) -> str:
+        """Show the layer index in the module tree."""
+        return f"index={self.index}"
+
+
+class StageModule(nn.Module):
+    """The layers of one pipeline stage, run in order; what ``torch.distributed.pipelining`` wraps."""
+
+    def __init__(self, layers: Sequence[nn.Module], first_index: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.first_index = first_index
+
+    def forward(self, *args: object) -> object:
+        """Run the stage's layers on the received activations."""
+        out = run_layers(self.layers, args if len(args) != 1 else args[0])
+        # p2p sends need dense, contiguous tensors; a layer may legally return a view.
+        if isinstance(out, tuple):
+            return tuple(t.contiguous() for t in out)
+        return out.contiguous()
+
+
+class LayerSlots:
+    """The places (parent module, attribute) where each pipeline layer sits in the user's module tree.
+
+    Args:
+        root: the LightningModule.
+        layers: its ``pipeline_layers()``.
+
+    """
+
+    def __init__(self, root: nn.Module, layers: Sequence[nn.Module]) -> None:
+        self.n_layers = len(layers)
+        index_of = {id(layer): i for i, layer in enumerate(layers)}
+        self.slots: list[list[tuple[nn.Module, str]]] = [[] for _ in layers]
+        self.names: list[str] = [""] * len(layers)
+        for parent_name, parent in root.named_modules(remove_duplicate=False):
+            for attr, child in parent._modules.items():
+                i = index_of.get(id(child))
+                if i is None:
+                    continue
+                self.slots[i].append((parent, attr))
+                if not self.names[i]:
+                    self.names[i] = f"{parent_name}.{attr}" if parent_name else attr
+        orphans = [i for i, s in enumerate(self.slots) if not s]
+        if orphans:
+            raise TypeError(
+                f"pipeline_layers() returned layers {orphans} that are not submodules of {type(root).__name__}. "
+                "Register every layer on the module (e.g. in an nn.ModuleList attribute) so that its parameters are "
+                "saved in checkpoints and seen by the optimizer."
+            )
+        self.modules: list[nn.Module | None] = list(layers)
+
+    def get(self, index: int) -> nn.Module:
+        """The real module of a local layer."""
+        module = self.modules[index]
+        if module is None:
+            raise KeyError(f"layer {index} is not held by this process")
+        return module
+
+    def is_local(self, index: int) -> bool:
+        """Whether this process holds layer ``index``."""
+        return self.modules[index] is not None
+
+    def install(self, index: int, module: nn.Module) -> None:
+        """Put the real ``module`` of layer ``index`` into all its slots."""
+        for parent, attr in self.slots[index]:
+            parent._modules[attr] = module
+        self.modules[index] = module
+
+    def remove(self, index: int) -> nn.Module:
+        """Replace layer ``index`` by a placeholder everywhere and return the real module."""
+        module = self.get(index)
+        placeholder = RemoteLayer(index)
+        for parent, attr in self.slots[index]:
+            parent._modules[attr] = placeholder
+        self.modules[index] = None
+        return module
+
+    def local_indices(self) -> list[int]:
+        """Indices of the layers this process holds, in order."""
+        return [i for i, m in enumerate(self.modules) if m is not None]

@@ -1,0 +1,321 @@
+"""Run ``torch.distributed.pipelining`` schedules over the stages a partition defines.
+
+Planning (which layers form which stage) is separate from running: :class:`StagePlan` is the pure description, and
+:class:`PipelineRuntime` builds ``PipelineStage`` objects and a schedule from it, lazily and again after every change.
+
+Activation shapes are discovered by a *probe*: the first micro-batch is pushed through the stages once, in stage order,
+with the real layers (under :func:`~dynmo_lightning.protocol.probing`, with the RNG state forked), and the observed
+input/output shapes, dtypes and ``requires_grad`` flags are handed to ``PipelineStage`` as static metadata. Static
+metadata makes the schedule skip its own runtime inference, which would run extra forward and backward passes through
+the user's layers on every (re)build and every train/eval switch. Training and evaluation keep separate stage and
+schedule objects, so switching between them never re-initialises either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
+from dynmo_lightning.protocol import as_tuple, probing
+
+#: Schedule names accepted by :class:`PipelineRuntime` (and ``DynMoStrategy(schedule=...)``).
+SCHEDULES: dict[str, type] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """Contiguous layers per (virtual) stage and the stage-to-rank mapping of a looped pipeline.
+
+    Stage ``s`` runs on pipeline rank ``s % n_ranks``; with ``len(layers_per_stage) == n_ranks`` that is one stage
+    per rank, with ``k * n_ranks`` stages every rank holds ``k`` interleaved stages.
+    """
+
+    layers_per_stage: tuple[int, ...]
+    n_ranks: int
+
+    @property
+    def n_stages(self) -> int:
+        """Number of (virtual) stages."""
+        return len(self.layers_per_stage)
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers in the model."""
+        return sum(self.layers_per_stage)
+
+    def bounds(self, stage: int) -> tuple[int, int]:
+        """Layer index range ``[start, end)`` of ``stage``."""
+        start = sum(self.layers_per_stage[:stage])
+        return start, start + self.layers_per_stage[stage]
+
+    def rank_of_stage(self, stage: int) -> int:
+        """Pipeline rank that runs ``stage``."""
+        return stage % self.n_ranks
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """Stages run by pipeline ``rank``, in order."""
+        return list(range(rank, self.n_stages, self.n_ranks))
+
+    def layers_of_rank(self, rank: int) -> list[int]:
+        """Layer indices held by pipeline ``rank``, in order."""
+        return [i for s in self.stages_of_rank(rank) for i in range(*self.bounds(s))]
+
+    def rank_of_layer(self, index: int) -> int:
+        """Pipeline rank that holds layer ``index``."""
+        end = 0
+        for stage, n in enumerate(self.layers_per_stage):
+            end += n
+            if index < end:
+                return self.rank_of_stage(stage)
+        raise IndexError(f"layer {index} out of range for {self.n_layers} layers")
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one schedule step produced on this rank (loss and output only on the last stage's rank)."""
+
+    loss: Tensor | None
+    output: Any = None
+
+
+class PipelineRuntime:
+    """Builds and runs the pipeline of this rank's stages.
+
+    Args:
+        slots: the layers of the model (local ones real, remote ones placeholders).
+        plan: the partition into stages.
+        rank: this process's rank in the pipeline group.
+        group: the pipeline process group (``None``: the default group).
+        device: where this rank's layers live.
+        schedule: a key of :data:`SCHEDULES`.
+        n_microbatches: micro-batches per step.
+        loss_fn: ``(output, target) -> loss`` of one micro-batch (the module's ``pipeline_loss``).
+
+    """
+
+    def __init__(
+        self,
+        slots: LayerSlots,
+        plan: StagePlan,
+        *,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        schedule: str,
+        n_microbatches: int,
+        loss_fn: Callable[[Any, Tensor], Tensor],
+    ) -> None:
+        self.slots = slots
+        self.plan = plan
+        self.rank = rank
+        self.group = group
+        self.device = device
+        self.schedule_name = schedule
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self._built: dict[bool, tuple[Any, list[PipelineStage]]] = {}
+
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def local_stages(self) -> list[int]:
+        """Stages run by this rank."""
+        return self.plan.stages_of_rank(self.rank)
+
+    @property
+    def has_first_stage(self) -> bool:
+        """Whether this rank feeds the batch inputs."""
+        return 0 in self.local_stages
+
+    @property
+    def has_last_stage(self) -> bool:
+        """Whether this rank computes the loss."""
+        return self.plan.n_stages - 1 in self.local_stages
+
+    @property
+    def last_rank(self) -> int:
+        """Pipeline rank of the last stage."""
+        return self.plan.rank_of_stage(self.plan.n_stages - 1)
+
+    def set_plan(self, plan: StagePlan) -> None:
+        """Adopt a new partition (the caller has already moved the layers); stages are rebuilt on the next step."""
+        self.plan = plan
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Forget built stages and schedules (layers or their shapes changed); rebuilt lazily on the next step."""
+        self._built.clear()
+
+    def stage_modules(self) -> list[StageModule]:
+        """The modules of this rank's stages, built from the currently installed layers."""
+        modules = []
+        for stage in self.local_stages:
+            start, end = self.plan.bounds(stage)
+            modules.append(StageModule([self.slots.get(i) for i in range(start, end)], start))
+        return modules
+
+    # ------------------------------------------------------------------------------------------------------------
+    def step(self, inputs: Any, target: Tensor, *, train: bool) -> StepResult:
+        """Run one schedule step on a whole batch: forward (and backward when ``train``) of every micro-batch.
+
+        Gradients of the local parameters accumulate in ``.grad`` scaled to the mean over micro-batches.
+        Returns the mean micro-batch loss on the last stage's rank (``None`` elsewhere); when not training, also the
+        merged last-stage output.
+        """
+        inputs = as_tuple(inputs)
+        if train not in self._built:
+            self._built[train] = self._build(inputs, target, train)
+        schedule, _ = self._built[train]
+        losses: list[Tensor] = []
+        args = inputs if self.has_first_stage else ()
+        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.has_last_stage else {}
+        if train:
+            output = schedule.step(*args, return_outputs=False, **kwargs)
+        else:
+            output = schedule.eval(*args, **kwargs)
+        if not self.has_last_stage:
+            return StepResult(loss=None)
+        loss = torch.stack([x.detach().float() for x in losses]).mean()
+        return StepResult(loss=loss, output=None if train else output)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _build(self, inputs: tuple[Any, ...], target: Tensor, train: bool) -> tuple[Any, list[PipelineStage]]:
+        # Buffers made here are reused by every later step; inference tensors would break in-place receives
+        # outside inference mode, so build with inference mode off.
+        with torch.inference_mode(False):
+            metas = self._probe(inputs, train)
+            stages = [
+                PipelineStage(
+                    module,
+                    stage,
+                    self.plan.n_stages,
+                    self.device,
+                    input_args=in_meta,
+                    output_args=out_meta,
+                    group=self.group,
+                )
+                for module, stage, (in_meta, out_meta) in zip(
+                    self.stage_modules(), self.local_stages, metas, strict=True
+                )
+            ]
+        cls = SCHEDULES[self.schedule_name]
+        if cls is ScheduleInterleaved1F1B:
+            schedule = cls(stages, self.n_microbatches, loss_fn=self.loss_fn, scale_grads=True)
+        else:
+            schedule = cls(stages[0], self.n_microbatches, loss_fn=self.loss_fn, scale_grads=True)
+        return schedule, stages
+
+    def _probe(self, inputs: tuple[Any, ...], train: bool) -> list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]:
+        """Push the first micro-batch through all stages in order and record each local stage's tensor metadata.
+
+        Stages on other ranks receive the activations with ``send_object_list`` (a one-off, CPU-pickled transfer).
+        Returns, per local stage, (input metas, output metas) as meta-device tensors carrying ``requires_grad``.
+        """
+        first_mb = split_args_kwargs_into_chunks(inputs, None, self.n_microbatches)[0][0]
+        modules = dict(zip(self.local_stages, self.stage_modules(), strict=True))
+        object_device = self.device if self.device.type == "cuda" else None
+        metas = []
+        carry: tuple[Tensor, ...] | None = None
+        grad_ctx = torch.enable_grad if train else torch.no_grad
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), probing():
+            for stage in range(self.plan.n_stages):
+                if self.plan.rank_of_stage(stage) != self.rank:
+                    continue
+                if stage == 0:
+                    x = tuple(t.to(self.device) for t in first_mb)
+                elif self.plan.rank_of_stage(stage - 1) == self.rank:
+                    x = carry
+                else:
+                    received: list[Any] = [None]
+                    dist.recv_object_list(received, src=self._global(stage - 1), group=self.group, device=object_device)
+                    x = tuple(t.to(self.device).requires_grad_(rg and train) for t, rg in received[0])
+                with grad_ctx():
+                    out = as_tuple(modules[stage](*x))
+                metas.append((tuple(_meta(t) for t in x), tuple(_meta(t) for t in out)))
+                if stage == self.plan.n_stages - 1:
+                    continue
+                if self.plan.rank_of_stage(stage + 1) == self.rank:
+                    carry = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
+                else:
+                    payload = [tuple((t.detach().cpu(), t.requires_grad) for t in out)]
+                    dist.send_object_list(payload, dst=self._global(stage + 1), group=self.group, device=object_device)
+        return metas
+
+    def _global(self, stage: int) -> int:
+        """Global rank of the process running ``stage`` (p2p calls address global ranks)."""
+        group_rank = self.plan.rank_of_stage(stage)
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+
+def _meta(t: Tensor) -> Tensor:
+    """A meta-device stand-in with the shape, dtype and ``requires_grad`` of ``t`` (what PipelineStage records)."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+
+
+def check_schedule(schedule: str, n_ranks: int, n_stages: int, n_microbatches: int) -> None:
+    """Raise a clear ``ValueError`` when the schedule cannot run with these sizes (before any process waits)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"strategy.schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
+    if n_microbatches < 1:
+        raise ValueError(f"strategy.n_microbatches={n_microbatches} must be >= 1")
+    if schedule == "interleaved_1f1b":
+        if n_ranks < 2:
+            # torch's runtime cannot evaluate (forward only) adjacent stages that share a rank.
+            raise ValueError("strategy.schedule='interleaved_1f1b' needs at least 2 processes; use '1f1b' on one")
+        if n_stages == n_ranks:
+            raise ValueError(
+                "strategy.schedule='interleaved_1f1b' needs several stages per rank: set "
+                "strategy.stages_per_rank >= 2 (or use schedule='1f1b')"
+            )
+        rounds = max(1, n_microbatches // n_ranks)
+        if n_microbatches % rounds:
+            raise ValueError(
+                f"strategy.n_microbatches={n_microbatches} does not work with interleaved 1F1B on {n_ranks} ranks: "
+                f"it must be a multiple of n_microbatches // ranks = {rounds}; use a multiple of {n_ranks}"
+            )
+    elif n_stages != n_ranks:
+        raise ValueError(
+            f"strategy.schedule={schedule!r} runs one stage per rank; stages_per_rank > 1 needs "
+            "schedule='interleaved_1f1b'"
+        )
+    if schedule == "1f1b" and n_microbatches < n_ranks:
+        raise ValueError(
+            f"strategy.n_microbatches={n_microbatches} < {n_ranks} pipeline ranks: 1F1B needs at least one "
+            "micro-batch per stage; raise n_microbatches or use schedule='gpipe'"
+        )
+
+
+def split_sizes_ok(batch_size: int, n_microbatches: int) -> bool:
+    """Whether a batch of ``batch_size`` splits into ``n_microbatches`` equal micro-batches."""
+    return batch_size % n_microbatches == 0
+
+
+def micro_batch_error(batch_size: int, n_microbatches: int) -> ValueError:
+    """The error for a batch that does not divide into micro-batches."""
+    return ValueError(
+        f"A batch of {batch_size} samples does not split into strategy.n_microbatches={n_microbatches} equal "
+        f"micro-batches. Make the batch size a multiple of {n_microbatches} (and use drop_last=True so the last "
+        "batch of an epoch is full), or change n_microbatches."
+    )
+
+
+def first_dim(x: Any) -> int:
+    """Batch size of a tensor or of the first tensor in a tuple."""
+    return as_tuple(x)[0].shape[0]
+
+
+def stage_sequence(values: Sequence[int]) -> tuple[int, ...]:
+    """Normalise a partition to a tuple of ints."""
+    return tuple(int(v) for v in values)

@@ -1,0 +1,163 @@
+"""The pipeline model protocol: what a LightningModule provides so that DynMo can split it into stages.
+
+A module is *pipeline-ready* when it has
+
+- ``pipeline_layers() -> Sequence[nn.Module]``: the ordered layers; layer ``i`` maps the output of layer ``i - 1``
+  (a tensor or a tuple of tensors) to its own output. The first layer receives the batch inputs.
+- ``pipeline_loss(output, target) -> Tensor``: the scalar loss of one micro-batch from the last layer's output.
+
+and optionally
+
+- ``pipeline_split_batch(batch) -> (inputs, target)``: how a dataloader batch splits into the first layer's inputs
+  and the loss target (default: ``batch`` is the pair ``(inputs, target)``).
+- ``pipeline_init_layer(index, layer)``: (re-)initialise the parameters of layer ``index`` in place. Used when layers
+  are created on the meta device (Lightning's ``configure_model``) and materialised on their own stage only. Without
+  it, every submodule's ``reset_parameters()`` is called.
+
+This module is the lowest layer of the package: models and the pipeline runtime both import it, it imports neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+#: Seeds of different layers are spread this far apart so that nearby base seeds never collide.
+_SEED_STRIDE = 1_000_003
+
+
+class ProtocolError(TypeError):
+    """The LightningModule does not implement the pipeline model protocol."""
+
+
+def check_protocol(module: Any) -> list[nn.Module]:
+    """Validate that ``module`` implements the pipeline protocol and return its layers.
+
+    Args:
+        module: the LightningModule given to the Trainer.
+
+    Returns:
+        The ordered list of pipeline layers.
+
+    Raises:
+        ProtocolError: a method is missing or ``pipeline_layers()`` returns something unusable.
+
+    """
+    name = type(module).__name__
+    missing = [m for m in ("pipeline_layers", "pipeline_loss") if not callable(getattr(module, m, None))]
+    if missing:
+        raise ProtocolError(
+            f"{name} cannot be split into pipeline stages: it has no {' and no '.join(f'`{m}()`' for m in missing)}. "
+            "A pipeline-ready LightningModule defines `pipeline_layers()` (the ordered nn.Modules, each mapping the "
+            "previous layer's output to its own) and `pipeline_loss(output, target)` (the loss of one micro-batch). "
+            "See the README section 'Model protocol'."
+        )
+    layers = module.pipeline_layers()
+    if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        raise ProtocolError(f"{name}.pipeline_layers() must return a sequence of nn.Modules, got one {type(layers)}.")
+    layers = list(layers)
+    if not layers:
+        raise ProtocolError(f"{name}.pipeline_layers() returned no layers.")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise ProtocolError(f"{name}.pipeline_layers()[{i}] is a {type(layer).__name__}, not an nn.Module.")
+    seen: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        if id(layer) in seen:
+            raise ProtocolError(
+                f"{name}.pipeline_layers() lists the same module at positions {seen[id(layer)]} and {i}; "
+                "every layer must be a distinct module."
+            )
+        seen[id(layer)] = i
+    return layers
+
+
+def split_batch(module: Any, batch: Any) -> tuple[Any, Any]:
+    """Split a dataloader batch into (inputs, target) with the module's hook or the default pair convention."""
+    hook = getattr(module, "pipeline_split_batch", None)
+    if callable(hook):
+        return hook(batch)
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ProtocolError(
+        f"{type(module).__name__}: a batch must be a pair (inputs, target), got {type(batch).__name__}"
+        f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. "
+        "Define `pipeline_split_batch(batch) -> (inputs, target)` on the module to say how to split it."
+    )
+
+
+def layer_seed(base_seed: int, index: int) -> int:
+    """The seed that initialises layer ``index``: the same wherever (on whichever stage) the layer is built."""
+    return (base_seed * _SEED_STRIDE + index) % (2**63 - 1)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def init_layer(module: Any, index: int, layer: nn.Module, base_seed: int) -> None:
+    """Initialise layer ``index`` deterministically from ``base_seed`` and its index.
+
+    Uses ``module.pipeline_init_layer(index, layer)`` when the module defines it, else every submodule's
+    ``reset_parameters()``. The global RNG state is left untouched.
+
+    Raises:
+        ProtocolError: a submodule owns parameters but the layer cannot be re-initialised.
+
+    """
+    device = next((t.device for t in layer.parameters()), torch.device("cpu"))
+    with _seeded(layer_seed(base_seed, index), device):
+        hook = getattr(module, "pipeline_init_layer", None)
+        if callable(hook):
+            hook(index, layer)
+            return
+        for sub in layer.modules():
+            owns_params = any(True for _ in sub.parameters(recurse=False))
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            elif owns_params:
+                raise ProtocolError(
+                    f"Layer {index} ({type(layer).__name__}) was created on the meta device but its submodule "
+                    f"{type(sub).__name__} has parameters and no `reset_parameters()`. Define "
+                    f"`pipeline_init_layer(index, layer)` on {type(module).__name__} to initialise a layer in place."
+                )
+
+
+_probing = False
+
+
+@contextlib.contextmanager
+def probing() -> Iterator[None]:
+    """Mark a forward pass that only discovers activation shapes (not training): layers must not update statistics."""
+    global _probing
+    previous, _probing = _probing, True
+    try:
+        yield
+    finally:
+        _probing = previous
+
+
+def is_probing() -> bool:
+    """True inside :func:`probing`; dynamic layers skip their bookkeeping then."""
+    return _probing
+
+
+def as_tuple(x: Any) -> tuple[Any, ...]:
+    """Normalise a layer's input/output to a tuple (layers may pass a tensor or a tuple of tensors)."""
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def run_layers(layers: Sequence[nn.Module], x: Any) -> Any:
+    """Apply ``layers`` in order; a tuple output is unpacked into the next layer's positional arguments."""
+    for layer in layers:
+        x = layer(*x) if isinstance(x, tuple) else layer(x)
+    return x

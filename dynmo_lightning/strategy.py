@@ -1,0 +1,637 @@
+"""DynMoStrategy: pipeline-parallel training of a pipeline-ready LightningModule across processes.
+
+Lightning face only: the pipeline runtime (``dynmo_lightning.pipeline``) builds stages and runs the schedules from
+``torch.distributed.pipelining``; the planning core (``dynmo_lightning.balance``) chooses partitions.
+
+How a training step works under Lightning's automatic optimization. Lightning's closure calls ``training_step``,
+then zeroes the gradients, then calls ``strategy.backward``. A pipeline schedule runs forward *and* backward of all
+micro-batches in one go, so :meth:`DynMoStrategy.training_step` runs the whole schedule, moves the resulting
+gradients aside, and :meth:`DynMoStrategy.backward` puts them back. Everything after that is stock Lightning:
+``on_after_backward``, ``on_before_optimizer_step``, gradient clipping (by the norm over *all* stages), the
+optimizer step and LR schedulers all see the pipeline's gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from dynmo_lightning import balance
+from dynmo_lightning.pipeline.checkpoint import (
+    local_optimizer_state,
+    merge_named_optimizer_states,
+    named_optimizer_state,
+)
+from dynmo_lightning.pipeline.layers import LayerSlots, RemoteLayer
+from dynmo_lightning.pipeline.runtime import (
+    SCHEDULES,
+    PipelineRuntime,
+    StagePlan,
+    check_schedule,
+    first_dim,
+    micro_batch_error,
+)
+from dynmo_lightning.protocol import ProtocolError, check_protocol, init_layer, split_batch
+
+log = logging.getLogger(__name__)
+
+#: Initial partitions that ``DynMoStrategy(partition=...)`` accepts by name (or a list of layers per stage).
+PARTITIONS = ("uniform", "params")
+
+
+class DynMoStrategy(ParallelStrategy):
+    """Pipeline parallelism for pipeline-ready LightningModules (see :mod:`dynmo_lightning.protocol`).
+
+    Each process holds one pipeline stage (or ``stages_per_rank`` interleaved stages): a contiguous run of the
+    module's ``pipeline_layers()``. Layers of other stages are dropped from the process (their memory is freed);
+    layers created on the meta device in ``configure_model`` are materialised only where they are needed, each from
+    its own seed, so a layer has the same initial weights whichever stage builds it.
+
+    Args:
+        n_microbatches: micro-batches per batch; the batch size must be a multiple of it.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"`` (schedules of ``torch.distributed.pipelining``).
+        partition: initial layers per stage: ``"uniform"`` (by layer count), ``"params"`` (balance parameter counts,
+            as DeepSpeed does), or an explicit list such as ``[3, 5]``.
+        stages_per_rank: stages per process; more than one needs ``schedule="interleaved_1f1b"``.
+        timeout: timeout of every collective and point-to-point operation.
+        process_group_backend: ``"gloo"``/``"nccl"``; by default chosen from the device.
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer (torchrun, SLURM, Lightning's own launcher, ...).
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
+
+    """
+
+    strategy_name = "dynmo"
+
+    def __init__(
+        self,
+        n_microbatches: int = 4,
+        schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b",
+        partition: str | list[int] = "uniform",
+        stages_per_rank: int = 1,
+        timeout: timedelta | float = timedelta(minutes=5),
+        process_group_backend: str | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ValueError(f"strategy.n_microbatches={n_microbatches!r} must be a positive integer")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"strategy.schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
+        if isinstance(partition, str):
+            if partition not in PARTITIONS:
+                raise ValueError(
+                    f"strategy.partition={partition!r} is not one of {list(PARTITIONS)} or a list of layers per stage"
+                )
+        else:
+            partition = [int(n) for n in partition]
+        if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+            raise ValueError(f"strategy.stages_per_rank={stages_per_rank!r} must be a positive integer")
+        self.n_microbatches = n_microbatches
+        self.schedule = schedule
+        self.partition = partition
+        self.stages_per_rank = stages_per_rank
+        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self.runtime: PipelineRuntime | None = None
+        self._slots: LayerSlots | None = None
+        self._global_keys: set[str] = set()
+        #: Names of all parameters of the unsplit model, in its order.
+        self._param_order: list[str] = []
+        self._pending_grads: list[tuple[Tensor, Tensor]] = []
+        self._eval_metrics: dict[str, Any] = {}
+        #: ``[{"step", "layers_per_stage"}]``: the initial partition and every change.
+        self.partitions: list[dict[str, Any]] = []
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Processes and devices
+    # ----------------------------------------------------------------------------------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        """Always true: Lightning then syncs logs and wraps dataloaders with a (pipeline-aware) sampler."""
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes per node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # All stages of one pipeline consume the same batch: one data-parallel replica.
+        return {"num_replicas": 1, "rank": 0}
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline's process group (``None``: the default group)."""
+        return None
+
+    @property
+    def pp_size(self) -> int:
+        """Number of processes in the pipeline."""
+        return self.world_size
+
+    @property
+    def pp_rank(self) -> int:
+        """Rank of this process in the pipeline."""
+        return self.global_rank
+
+    @property
+    def n_stages(self) -> int:
+        """Number of (virtual) pipeline stages."""
+        return self.pp_size * self.stages_per_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        """Derive global rank and world size from node rank, local rank and processes per node."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Model set-up: validate, split, materialise
+    # ----------------------------------------------------------------------------------------------------------------
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        missing = [m for m in ("pipeline_layers", "pipeline_loss") if not callable(getattr(model, m, None))]
+        if missing:
+            check_protocol(model)  # raises the explanatory ProtocolError
+        super().connect(model)
+
+    @override
+    def model_sharded_context(self) -> Any:
+        # Layers made in `configure_model` start on the meta device; each stage materialises only its own.
+        return torch.device("meta")
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        self._check_trainer(trainer, module)
+        if self._slots is None:
+            self._split(module)
+        self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        assert self._slots is not None
+        self.runtime = PipelineRuntime(
+            self._slots,
+            StagePlan(tuple(self.partitions[-1]["layers_per_stage"]), self.pp_size),
+            rank=self.pp_rank,
+            group=self.pp_group,
+            device=self.root_device,
+            schedule=self.schedule,
+            n_microbatches=self.n_microbatches,
+            loss_fn=module.pipeline_loss,
+        )
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Clipping by norm must use the norm over all stages' gradients, as the unsplit model would.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_trainer(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported by "
+                "DynMoStrategy: the pipeline already accumulates gradients over micro-batches. Use a larger batch "
+                "with strategy n_microbatches instead (e.g. multiply both by the accumulation factor)."
+            )
+        if not module.automatic_optimization:
+            raise ValueError(
+                "DynMoStrategy needs automatic optimization (the pipeline schedule runs backward itself); remove "
+                "`self.automatic_optimization = False` from the module."
+            )
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise ValueError(
+                "precision='16-mixed' needs gradient scaling inside the pipeline schedule, which DynMoStrategy does "
+                "not do; use precision='bf16-mixed' (or '32-true')."
+            )
+
+    def _split(self, module: pl.LightningModule) -> None:
+        """Choose the initial partition, drop other stages' layers, materialise this stage's."""
+        layers = check_protocol(module)
+        if any(isinstance(layer, RemoteLayer) for layer in layers):
+            raise ProtocolError(
+                f"{type(module).__name__} was already split into pipeline stages by another DynMoStrategy run; "
+                "build a fresh module (or load it from a checkpoint) for a new Trainer."
+            )
+        layer_params = {id(p) for layer in layers for p in layer.parameters()}
+        outside = [name for name, p in module.named_parameters() if id(p) not in layer_params]
+        if outside:
+            raise ProtocolError(
+                f"{type(module).__name__} has parameters outside its pipeline_layers(): {outside[:5]}. Every "
+                "parameter must belong to a pipeline layer so that it lives on exactly one stage."
+            )
+        layers_per_stage = self._initial_partition(layers)
+        plan = StagePlan(tuple(layers_per_stage), self.pp_size)
+        self._global_keys = set(module.state_dict().keys())
+        self._param_order = [name for name, _ in module.named_parameters()]
+        slots = LayerSlots(module, layers)
+        mine = set(plan.layers_of_rank(self.pp_rank))
+        seed = int(getattr(module, "pipeline_init_seed", 0))
+        for i in range(len(layers)):
+            if i not in mine:
+                slots.remove(i)
+                continue
+            layer = slots.get(i)
+            if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
+                layer.to_empty(device=self.root_device)
+                init_layer(module, i, layer, seed)
+        self._slots = slots
+        self.partitions = [{"step": 0, "layers_per_stage": list(layers_per_stage)}]
+
+    def _initial_partition(self, layers: list[torch.nn.Module]) -> list[int]:
+        n_layers, n_stages = len(layers), self.n_stages
+        if n_stages > n_layers:
+            raise ValueError(
+                f"{self.pp_size} processes x stages_per_rank={self.stages_per_rank} = {n_stages} pipeline stages, "
+                f"but the model has only {n_layers} layers: every stage needs at least one layer. Use fewer devices "
+                "(Trainer devices/num_nodes) or a deeper model."
+            )
+        check_schedule(self.schedule, self.pp_size, n_stages, self.n_microbatches)
+        if isinstance(self.partition, list):
+            if len(self.partition) != n_stages:
+                raise ValueError(
+                    f"strategy.partition={self.partition} has {len(self.partition)} stages but the Trainer runs "
+                    f"{self.pp_size} processes x stages_per_rank={self.stages_per_rank} = {n_stages} stages: give "
+                    f"one entry per stage, or change Trainer devices to match."
+                )
+            return balance.validate_partition(self.partition, n_layers, n_stages)
+        if self.partition == "params":
+            counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+            return balance.partition(counts, n_stages, method="params")
+        return balance.partition([1.0] * n_layers, n_stages, method="uniform")
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Steps
+    # ----------------------------------------------------------------------------------------------------------------
+    @override
+    def on_train_start(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            self._check_batch_sizes(trainer.train_dataloader)
+
+    @override
+    def on_validation_start(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            self._check_batch_sizes(trainer.val_dataloaders)
+
+    def _check_batch_sizes(self, loaders: Any) -> None:
+        """Refuse a dataloader whose batches cannot split into micro-batches before any process runs a step."""
+        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+            size = getattr(loader, "batch_size", None)
+            if isinstance(size, int) and size % self.n_microbatches:
+                raise micro_batch_error(size, self.n_microbatches)
+
+    def _batch(self, batch: Any) -> tuple[Any, Tensor]:
+        inputs, target = split_batch(self.lightning_module, batch)
+        size = first_dim(inputs)
+        if size % self.n_microbatches:
+            raise micro_batch_error(size, self.n_microbatches)
+        return inputs, target
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        assert self.runtime is not None and self.lightning_module is not None
+        batch = args[0] if args else kwargs["batch"]
+        inputs, target = self._batch(batch)
+        module = self.lightning_module
+        params = [p for p in module.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = None
+        with self.precision_plugin.train_step_context():
+            result = self.runtime.step(inputs, target, train=True)
+        # Lightning zeroes gradients between `training_step` and `backward`: park them until `backward`.
+        self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
+        for p, _ in self._pending_grads:
+            p.grad = None
+        loss = self._share_loss(result.loss)
+        module.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=first_dim(inputs))
+        return loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for p, grad in self._pending_grads:
+            p.grad = grad if p.grad is None else p.grad + grad
+        self._pending_grads = []
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        with self.precision_plugin.val_step_context():
+            return self._eval_step("val", args[0] if args else kwargs["batch"])
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        with self.precision_plugin.test_step_context():
+            return self._eval_step("test", args[0] if args else kwargs["batch"])
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.runtime is not None
+        inputs, target = self._batch(args[0] if args else kwargs["batch"])
+        with self.precision_plugin.predict_step_context():
+            result = self.runtime.step(inputs, target, train=False)
+        payload = [move_data_to_device(result.output, "cpu") if self.runtime.has_last_stage else None]
+        dist.broadcast_object_list(payload, src=self._last_global_rank(), group=self.pp_group)
+        return payload[0]
+
+    def _eval_step(self, prefix: str, batch: Any) -> Tensor:
+        assert self.runtime is not None and self.lightning_module is not None
+        inputs, target = self._batch(batch)
+        result = self.runtime.step(inputs, target, train=False)
+        loss = self._share_loss(result.loss)
+        module = self.lightning_module
+        size = first_dim(inputs)
+        # Every process holds the same value; syncing makes Lightning's epoch mean explicit (and cheap).
+        module.log(f"{prefix}_loss", loss, prog_bar=True, on_step=False, on_epoch=True, batch_size=size, sync_dist=True)
+        if not target.is_floating_point():
+            # Perplexity over all target tokens of the epoch; only the last stage has logits, the others add
+            # nothing to the metric's sums, and torchmetrics sums them over processes when it computes.
+            metric = self._perplexity(prefix)
+            if self.runtime.has_last_stage:
+                metric.update(result.output.float(), target)
+            module.log(
+                f"{prefix}_ppl",
+                metric,
+                on_step=False,
+                on_epoch=True,
+                batch_size=size,
+                metric_attribute=f"_dynmo_{prefix}_ppl",
+            )
+        return loss
+
+    def _perplexity(self, prefix: str) -> Any:
+        if prefix not in self._eval_metrics:
+            from torchmetrics.text import Perplexity
+
+            assert self.runtime is not None
+            if not self.runtime.has_last_stage:
+                # Expected here: this process contributes zero counts and never calls `update`.
+                warnings.filterwarnings("ignore", message=r"The ``compute`` method of metric Perplexity")
+            self._eval_metrics[prefix] = Perplexity().to(self.root_device)
+        return self._eval_metrics[prefix]
+
+    def _last_global_rank(self) -> int:
+        assert self.runtime is not None
+        last = self.runtime.last_rank
+        return dist.get_global_rank(self.pp_group, last) if self.pp_group is not None else last
+
+    def _share_loss(self, loss: Tensor | None) -> Tensor:
+        """Broadcast the last stage's loss so every process logs (and returns) the same value."""
+        out = loss.detach().float().clone() if loss is not None else torch.zeros((), device=self.root_device)
+        out = out.to(self.root_device)
+        dist.broadcast(out, src=self._last_global_rank(), group=self.pp_group)
+        return out
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Clip by the norm of *all* stages' gradients, computed exactly as the unsplit model's clipping would.
+
+        ``torch.nn.utils.clip_grad_norm_`` takes the norm of the per-parameter norms in optimizer order. Each stage
+        computes its per-parameter norms the same way, all stages exchange them, and every stage stacks them in the
+        unsplit model's order (group, then parameter position), so the clip coefficient is bit-identical to P=1.
+        """
+        position = {name: i for i, name in enumerate(self._param_order)}
+        names = self._param_names()
+        params, keys = [], []
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if p.grad is not None:
+                    params.append(p)
+                    keys.append((g, position[names[id(p)]]))
+        grads = [p.grad for p in params]
+        if grads and grads[0].device.type == "cpu":
+            norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]  # torch's own CPU path
+        else:
+            norms = list(torch._foreach_norm(grads, 2.0)) if grads else []
+        gathered: list[Any] = [None] * self.pp_size
+        dist.all_gather_object(gathered, list(zip(keys, [float(n) for n in norms], strict=True)), group=self.pp_group)
+        ordered = [n for _, n in sorted(kv for part in gathered for kv in part)]
+        if not params:
+            return
+        dtype = grads[0].dtype
+        total = torch.linalg.vector_norm(torch.tensor(ordered, dtype=dtype, device=grads[0].device), 2.0)
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Collectives (over the whole job, as Lightning expects)
+    # ----------------------------------------------------------------------------------------------------------------
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        payload = [obj]
+        dist.broadcast_object_list(payload, src, group=_group.WORLD)
+        return payload[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Checkpoints: one file with the unsplit model's keys, optimizer state by parameter name
+    # ----------------------------------------------------------------------------------------------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Weights are loaded after the split so each process reads only its own layers.
+        return True
+
+    def _param_names(self) -> dict[int, str]:
+        assert self.lightning_module is not None
+        return {id(p): name for name, p in self.lightning_module.named_parameters()}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if hasattr(optimizer, "_optimizer"):  # LightningOptimizer
+            optimizer = optimizer._optimizer
+        return named_optimizer_state(optimizer, self._param_names())
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        part = move_data_to_device(
+            {"state_dict": checkpoint.get("state_dict", {}), "optimizer_states": checkpoint.get("optimizer_states")},
+            "cpu",
+        )
+        parts: list[Any] | None = [None] * self.pp_size if self.pp_rank == 0 else None
+        dist.gather_object(part, parts, dst=self._global_rank_of_pp(0), group=self.pp_group)
+        if parts is None:
+            return
+        checkpoint = dict(checkpoint)
+        state_dict: dict[str, Any] = {}
+        for p in parts:
+            state_dict.update(p["state_dict"])
+        checkpoint["state_dict"] = state_dict
+        if parts[0]["optimizer_states"] is not None:
+            checkpoint["optimizer_states"] = [
+                merge_named_optimizer_states([p["optimizer_states"][i] for p in parts])
+                for i in range(len(parts[0]["optimizer_states"]))
+            ]
+        checkpoint["dynmo"] = {"partitions": self.partitions, "world_size": self.world_size}
+        if self.is_global_zero:
+            _atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
+
+    def _global_rank_of_pp(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self.pp_group, pp_rank) if self.pp_group is not None else pp_rank
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        saved = checkpoint["state_dict"]
+        local = module.state_dict().keys()
+        missing = [k for k in local if k not in saved]
+        unexpected = [k for k in saved if k not in self._global_keys]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                "The checkpoint does not match the model: "
+                f"missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}. "
+                "Was it written for a different model configuration?"
+            )
+        module.load_state_dict({k: saved[k] for k in local if k in saved}, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        names = self._param_names()
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            optimizer.load_state_dict(local_optimizer_state(saved, optimizer, names))
+            from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+            _optimizer_to_device(optimizer, self.root_device)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        module = self._lightning_module
+        if module is not None and any(p.is_meta for p in module.parameters()):
+            # Set-up failed before the split: meta tensors cannot move to CPU (and hold no memory), so keep the base
+            # teardown from trying; it would mask the original error.
+            self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="DynMo pipeline parallelism (torch.distributed.pipelining)"
+        )
+
+
+def _atomic_save(
+    checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any
+) -> None:
+    """Write to a temporary file in the same directory, then rename: a crash never leaves a half-written checkpoint."""
+    path = os.fspath(filepath)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+    os.replace(tmp, path)

@@ -1,0 +1,137 @@
+"""Helpers shared by tests: run `dynmo-train` (the Hydra CLI) in fresh processes, as users do; compare runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: A gpt_tiny small enough that a 20-step run of 4 processes takes seconds on 2 cores.
+TINY = [
+    "model.n_layer=4",
+    "model.n_embd=32",
+    "model.n_head=4",
+    "model.warmup_steps=0",
+    "data.block_size=32",
+    "data.batch_size=16",
+    "data.max_bytes=300000",
+    "data.max_val_batches=2",
+    "trainer.limit_val_batches=2",
+    "trainer.val_check_interval=10",
+    "trainer.enable_progress_bar=false",
+    "trainer.gradient_clip_val=0.5",
+    "logger.csv=false",
+    "strategy.timeout=60",
+]
+
+
+class CliRun:
+    """A finished `dynmo-train` run: its directory, summary and end-of-training checkpoint."""
+
+    def __init__(self, run_dir: Path, proc: subprocess.CompletedProcess[str] | None) -> None:
+        self.run_dir = run_dir
+        self.proc = proc
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    @property
+    def checkpoint(self) -> dict[str, Any]:
+        return torch.load(self.run_dir / "checkpoints" / "final.ckpt", map_location="cpu", weights_only=False)
+
+
+def run_cli(run_dir: Path, *overrides: str, timeout: float = 240, expect_ok: bool = True) -> CliRun:
+    """Run ``python -m dynmo_lightning.cli`` with the tiny config plus ``overrides`` in ``run_dir``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("LOCAL_RANK", None)
+    cmd = [sys.executable, "-m", "dynmo_lightning.cli", *TINY, *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"dynmo-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return CliRun(run_dir, proc)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world_size: int, cases: dict[Path, list[str]], timeout: float = 600) -> dict[Path, CliRun]:
+    """Run several configurations in one launch of ``world_size`` processes (see ``tests/_worker.py``).
+
+    Every case gets the tiny config plus its overrides and ``trainer.devices=world_size``; returns one
+    :class:`CliRun` per run directory. All processes are killed on timeout, and a failure shows every rank's output.
+    """
+    spec_dir = next(iter(cases)).parent
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "cases": [
+            {"run_dir": str(d), "overrides": [*TINY, *o, f"trainer.devices={world_size}"]} for d, o in cases.items()
+        ]
+    }
+    spec_path = spec_dir / f"spec-{world_size}-{os.getpid()}-{len(list(spec_dir.iterdir()))}.json"
+    spec_path.write_text(json.dumps(spec))
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world_size),
+            "NODE_RANK": "0",
+            "LOCAL_RANK": str(rank),
+        }
+        log = open(spec_path.with_suffix(f".rank{rank}.log"), "w")
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(Path(__file__).with_name("_worker.py")), str(spec_path)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ),
+                log,
+            )
+        )
+    try:
+        codes = [p.wait(timeout=timeout) for p, _ in procs]
+    except subprocess.TimeoutExpired:
+        for p, _ in procs:
+            p.kill()
+        codes = [None] * world_size
+    for _, log in procs:
+        log.close()
+    if any(c != 0 for c in codes):
+        logs = "\n".join(
+            f"--- rank {r} (exit {c}) ---\n{spec_path.with_suffix(f'.rank{r}.log').read_text()[-4000:]}"
+            for r, c in enumerate(codes)
+        )
+        raise AssertionError(f"launch of {world_size} processes failed:\n{logs}")
+    return {d: CliRun(d, None) for d in cases}
+
+
+def assert_close_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-5) -> None:
+    """Same keys and every tensor within ``rtol`` relative (to its norm) of the other."""
+    assert a.keys() == b.keys(), (sorted(set(a) ^ set(b)))[:10]
+    for k in a:
+        x, y = a[k].double(), b[k].double()
+        assert x.shape == y.shape, k
+        err = (x - y).norm() / max(float(y.norm()), 1e-12)
+        assert err <= rtol, f"{k}: relative difference {float(err):.2e} > {rtol}"
+
+
+def assert_close_losses(a: list[float], b: list[float], rtol: float = 1e-5) -> None:
+    assert len(a) == len(b) and a, (len(a), len(b))
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert abs(x - y) <= rtol * abs(y), f"step {i}: {x} vs {y}"

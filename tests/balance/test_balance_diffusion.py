@@ -1,0 +1,130 @@
+"""diffuse(): neighbour-only rounds that end on the optimal split."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynmo_lightning.balance import InfeasibleMemoryError, bottleneck, diffuse, partition
+from dynmo_lightning.balance.diffusion import diffusion_rounds
+
+PROPERTY = settings(max_examples=200, deadline=None)
+
+
+@st.composite
+def started(draw, elements):
+    """(costs, starting split) with up to 12 layers on up to 5 stages, the start drawn at random."""
+    n_layers = draw(st.integers(1, 12))
+    n_stages = draw(st.integers(1, min(n_layers, 5)))
+    costs = draw(st.lists(elements, min_size=n_layers, max_size=n_layers))
+    cuts = []
+    if n_stages > 1:
+        cuts = sorted(draw(st.sets(st.integers(1, n_layers - 1), min_size=n_stages - 1, max_size=n_stages - 1)))
+    return costs, [b - a for a, b in itertools.pairwise([0, *cuts, n_layers])]
+
+
+@PROPERTY
+@given(started(st.integers(0, 40)))
+def test_ends_on_the_optimal_split_from_any_start(problem):
+    costs, start = problem
+    result = diffuse(costs, start, max_rounds=100_000)
+    assert result.converged
+    assert result.layers_per_stage == partition(costs, len(start))
+    assert result.bottleneck == bottleneck(costs, partition(costs, len(start)))
+    # Two or more stages at least all-reduce their starting facts and settle once.
+    assert result.rounds == 0 if len(start) == 1 else result.rounds >= 3 * len(start) - 1
+
+
+@PROPERTY
+@given(started(st.floats(0, 1e3, allow_nan=False, allow_infinity=False, allow_subnormal=False)))
+def test_float_costs_reach_the_optimal_bottleneck(problem):
+    costs, start = problem
+    result = diffuse(costs, start)
+    assert result.converged
+    best = bottleneck(costs, partition(costs, len(start)))
+    assert math.isclose(result.bottleneck, best, rel_tol=1e-9, abs_tol=1e-12)
+
+
+@PROPERTY
+@given(started(st.integers(0, 30)), st.data())
+def test_respects_a_shared_memory_capacity(problem, data):
+    costs, start = problem
+    memory = data.draw(st.lists(st.integers(0, 10), min_size=len(costs), max_size=len(costs)))
+    capacity = data.draw(st.integers(0, 40))
+    try:
+        expected = partition(costs, len(start), memory=memory, capacity=capacity)
+    except InfeasibleMemoryError:
+        with pytest.raises(InfeasibleMemoryError):
+            diffuse(costs, start, memory=memory, capacity=capacity)
+        return
+    result = diffuse(costs, start, memory=memory, capacity=[capacity] * len(start))
+    assert result.converged
+    assert result.layers_per_stage == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(started(st.integers(0, 40)))
+def test_rounds_move_layers_only_between_neighbours(problem):
+    costs, start = problem
+    previous = list(itertools.accumulate(start))
+    for expected_index, snapshot in enumerate(diffusion_rounds(costs, start), start=1):
+        assert snapshot.index == expected_index
+        ends = list(itertools.accumulate(snapshot.layers_per_stage))
+        assert min(snapshot.layers_per_stage) >= 1
+        assert ends[-1] == len(costs)
+        for boundary, (before, after) in enumerate(zip(previous[:-1], ends[:-1], strict=True)):
+            # One layer per boundary per round, and only on the boundaries whose turn it is: no stage gains or
+            # loses on both sides at once, so no layer skips a stage.
+            assert abs(after - before) <= 1
+            if after != before:
+                assert boundary % 2 == snapshot.index % 2
+                assert snapshot.phase == ("push" if after < before else "pull")
+        previous = ends
+
+
+def test_relays_layers_through_one_layer_stages():
+    # Stage 0 wants layer 1, but stage 1 holds only that layer: stage 1 first takes layer 2 from stage 2 (even
+    # above the bound), then hands layer 1 on.
+    costs, start = [1, 5, 6, 4, 4], [1, 1, 3]
+    pulls = [r.layers_per_stage for r in diffusion_rounds(costs, start) if r.phase == "pull"]
+    assert pulls[:3] == [(1, 1, 3), (1, 2, 2), (2, 1, 2)]
+    result = diffuse(costs, start)
+    assert result.layers_per_stage == partition(costs, 3) == [2, 1, 2]
+    assert result.bottleneck == 8
+
+
+def test_max_rounds_stops_early_with_a_valid_split():
+    costs, start = [9, 1, 1, 1, 1, 1, 1, 9], [1, 1, 1, 5]
+    full = diffuse(costs, start)
+    assert full.converged and full.rounds > 5
+    cut = diffuse(costs, start, max_rounds=5)
+    assert not cut.converged
+    assert cut.rounds == 5
+    assert sum(cut.layers_per_stage) == len(costs) and min(cut.layers_per_stage) >= 1
+    exact = diffuse(costs, start, max_rounds=full.rounds)
+    assert exact.converged and exact.layers_per_stage == full.layers_per_stage
+    nothing = diffuse(costs, start, max_rounds=0)
+    assert nothing.layers_per_stage == start and nothing.rounds == 0 and not nothing.converged
+
+
+def test_single_stage_needs_no_rounds():
+    assert diffuse([3.0, 1.0], [2]) == diffuse([3.0, 1.0], [2], max_rounds=0)
+    assert diffuse([3.0, 1.0], [2]).converged
+
+
+def test_per_stage_capacities_are_refused():
+    with pytest.raises(ValueError, match="diffusion needs one capacity shared by all stages"):
+        diffuse([1, 1, 1], [1, 2], memory=[1, 1, 1], capacity=[2, 3])
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="sums to 3 but the model has 4 layers"):
+        diffuse([1, 1, 1, 1], [1, 2])
+    with pytest.raises(ValueError, match="max_rounds must be None or an integer >= 0"):
+        diffuse([1, 1], [1, 1], max_rounds=-1)
+    with pytest.raises(InfeasibleMemoryError, match="a single layer 0 needs 5"):
+        diffuse([1, 1], [1, 1], memory=[5, 1], capacity=4)
