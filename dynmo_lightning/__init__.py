@@ -5,10 +5,12 @@ Importing the package registers the strategy name ``"dynmo"``, so ``Trainer(stra
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from dynmo_lightning.callbacks import DynMoBalancer
+from dynmo_lightning.protocol import PipelineModule
 from dynmo_lightning.strategy import DynMoStrategy
 
 if DynMoStrategy.strategy_name not in StrategyRegistry:
     DynMoStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["DynMoStrategy"]
+__all__ = ["DynMoBalancer", "DynMoStrategy", "PipelineModule"]
 __version__ = "0.1.0"

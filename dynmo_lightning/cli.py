@@ -1,8 +1,8 @@
 """Hydra entry points: ``dynmo-train``.
 
-``dynmo-train`` composes ``conf/config.yaml`` (groups ``model``, ``data``, ``trainer``, ``strategy``), trains, and
-writes ``summary.json``, ``csv/metrics.csv`` and ``checkpoints/final.ckpt`` (plus ``last.ckpt`` on schedule) into
-the run directory (``hydra.run.dir``; in a multirun, each job's own directory).
+``dynmo-train`` composes ``conf/config.yaml`` (groups ``model``, ``data``, ``trainer``, ``strategy``, ``balancer``),
+trains, and writes ``summary.json``, ``csv/metrics.csv`` and ``checkpoints/final.ckpt`` (plus ``last.ckpt`` on
+schedule) into the run directory (``hydra.run.dir``; in a multirun, each job's own directory).
 """
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ def _pin_multirun_job() -> None:
         hc.run.dir = hc.runtime.output_dir
 
 
+def build_callbacks(cfg: DictConfig) -> list[Any]:
+    """The callbacks a config asks for (balancer; dynamics later)."""
+    callbacks = []
+    if cfg.balancer.get("_target_"):
+        callbacks.append(instantiate(cfg.balancer, _convert_="all"))
+    return callbacks
+
+
 def build_trainer(cfg: DictConfig, callbacks: list[Any] | None = None) -> L.Trainer:
     """Instantiate the Trainer of a config with the strategy, loggers and standard callbacks."""
     run_dir = cfg.run_dir
@@ -79,7 +87,7 @@ def run(cfg: DictConfig) -> float | None:
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model, _convert_="all")
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, build_callbacks(cfg))
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     # The end-of-training state, whatever the checkpoint schedule (every process takes part in writing it).
     trainer.save_checkpoint(f"{cfg.run_dir}/checkpoints/final.ckpt")

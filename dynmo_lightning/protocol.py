@@ -14,6 +14,10 @@ and optionally
   are created on the meta device (Lightning's ``configure_model``) and materialised on their own stage only. Without
   it, every submodule's ``reset_parameters()`` is called.
 
+:class:`PipelineModule` is a LightningModule base class that turns the protocol into single-process ``forward``,
+``training_step``, ``validation_step`` and ``test_step``, so one model class trains both with and without
+``DynMoStrategy`` (under the strategy, the strategy runs the steps through the pipeline and logs the same names).
+
 This module is the lowest layer of the package: models and the pipeline runtime both import it, it imports neither.
 """
 
@@ -23,8 +27,9 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import lightning.pytorch as L
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 #: Seeds of different layers are spread this far apart so that nearby base seeds never collide.
 _SEED_STRIDE = 1_000_003
@@ -161,3 +166,47 @@ def run_layers(layers: Sequence[nn.Module], x: Any) -> Any:
     for layer in layers:
         x = layer(*x) if isinstance(x, tuple) else layer(x)
     return x
+
+
+class PipelineModule(L.LightningModule):
+    """LightningModule base for pipeline-ready models: implement ``pipeline_layers`` and ``pipeline_loss``.
+
+    Provides ``forward`` (all layers in order) and single-process ``training_step`` / ``validation_step`` /
+    ``test_step`` that log ``train_loss``, ``val_loss`` and ``val_ppl`` (``test_*``), the names ``DynMoStrategy``
+    logs when it runs the same model as a pipeline. ``val_ppl`` (exp of the mean loss) is logged when targets are
+    integer class ids.
+    """
+
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        """The ordered pipeline layers."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_layers()")
+
+    def pipeline_loss(self, output: Any, target: Tensor) -> Tensor:
+        """Loss of one (micro-)batch."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_loss(output, target)")
+
+    def forward(self, inputs: Any) -> Any:
+        """Run all layers in order."""
+        return run_layers(self.pipeline_layers(), inputs)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        """Single-process step (a pipeline strategy runs its own schedule instead)."""
+        inputs, target = split_batch(self, batch)
+        loss = self.pipeline_loss(self(inputs), target)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _eval_step(self, prefix: str, batch: Any) -> None:
+        inputs, target = split_batch(self, batch)
+        loss = self.pipeline_loss(self(inputs), target)
+        self.log(f"{prefix}_loss", loss, prog_bar=True)
+        if not target.is_floating_point():
+            self.log(f"{prefix}_ppl", torch.exp(loss))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """Single-process validation step."""
+        self._eval_step("val", batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        """Single-process test step."""
+        self._eval_step("test", batch)

@@ -13,7 +13,7 @@ optimizer step and LR schedulers all see the pipeline's gradients.
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import os
 import warnings
 from collections.abc import Mapping
@@ -39,6 +39,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -52,6 +53,7 @@ from dynmo_lightning.pipeline.checkpoint import (
     named_optimizer_state,
 )
 from dynmo_lightning.pipeline.layers import LayerSlots, RemoteLayer
+from dynmo_lightning.pipeline.migration import MigrationStats, migrate
 from dynmo_lightning.pipeline.runtime import (
     SCHEDULES,
     PipelineRuntime,
@@ -60,9 +62,8 @@ from dynmo_lightning.pipeline.runtime import (
     first_dim,
     micro_batch_error,
 )
+from dynmo_lightning.profiling import LayerCost, static_memory
 from dynmo_lightning.protocol import ProtocolError, check_protocol, init_layer, split_batch
-
-log = logging.getLogger(__name__)
 
 #: Initial partitions that ``DynMoStrategy(partition=...)`` accepts by name (or a list of layers per stage).
 PARTITIONS = ("uniform", "params")
@@ -138,6 +139,8 @@ class DynMoStrategy(ParallelStrategy):
         self.runtime: PipelineRuntime | None = None
         self._slots: LayerSlots | None = None
         self._global_keys: set[str] = set()
+        #: Parameter count of every pipeline layer (taken before the split).
+        self.layer_param_counts: list[int] = []
         #: Names of all parameters of the unsplit model, in its order.
         self._param_order: list[str] = []
         self._pending_grads: list[tuple[Tensor, Tensor]] = []
@@ -231,6 +234,12 @@ class DynMoStrategy(ParallelStrategy):
         missing = [m for m in ("pipeline_layers", "pipeline_loss") if not callable(getattr(model, m, None))]
         if missing:
             check_protocol(model)  # raises the explanatory ProtocolError
+        if not is_overridden("training_step", model):
+            raise ProtocolError(
+                f"{type(model).__name__} has no training_step; Lightning requires one even though DynMoStrategy runs "
+                "the pipeline itself. Subclass dynmo_lightning.PipelineModule (it provides the steps from "
+                "pipeline_layers/pipeline_loss, also for single-process runs) instead of LightningModule."
+            )
         super().connect(model)
 
     @override
@@ -303,6 +312,7 @@ class DynMoStrategy(ParallelStrategy):
                 f"{type(module).__name__} has parameters outside its pipeline_layers(): {outside[:5]}. Every "
                 "parameter must belong to a pipeline layer so that it lives on exactly one stage."
             )
+        self.layer_param_counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         layers_per_stage = self._initial_partition(layers)
         plan = StagePlan(tuple(layers_per_stage), self.pp_size)
         self._global_keys = set(module.state_dict().keys())
@@ -339,8 +349,7 @@ class DynMoStrategy(ParallelStrategy):
                 )
             return balance.validate_partition(self.partition, n_layers, n_stages)
         if self.partition == "params":
-            counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-            return balance.partition(counts, n_stages, method="params")
+            return balance.partition(self.layer_param_counts, n_stages, method="params")
         return balance.partition([1.0] * n_layers, n_stages, method="uniform")
 
     @override
@@ -505,6 +514,61 @@ class DynMoStrategy(ParallelStrategy):
         dtype = grads[0].dtype
         total = torch.linalg.vector_norm(torch.tensor(ordered, dtype=dtype, device=grads[0].device), 2.0)
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Rebalancing: measure, then move layers (both collective over the pipeline)
+    # ----------------------------------------------------------------------------------------------------------------
+    @property
+    def layers_per_stage(self) -> list[int]:
+        """The current partition."""
+        assert self.runtime is not None
+        return list(self.runtime.plan.layers_per_stage)
+
+    @property
+    def n_layers(self) -> int:
+        """Number of pipeline layers of the model."""
+        assert self._slots is not None
+        return self._slots.n_layers
+
+    def gather_costs(self, local: dict[int, LayerCost]) -> dict[int, dict[str, float]]:
+        """Share this process's measured layer costs and memory with all stages; returns every layer's.
+
+        Args:
+            local: :meth:`LayerProfiler.stop` of this process.
+        """
+        assert self._slots is not None
+        optimizer = self.optimizers[0] if self.optimizers else None
+        mine = {}
+        for i, cost in local.items():
+            params, grads, optim = static_memory(self._slots.get(i), optimizer)
+            mine[i] = {**dataclasses.asdict(cost), "param_bytes": params, "grad_bytes": grads, "optim_bytes": optim}
+        parts: list[Any] = [None] * self.pp_size
+        dist.all_gather_object(parts, mine, group=self.pp_group)
+        return {i: v for part in parts for i, v in part.items()}
+
+    def repartition(self, layers_per_stage: list[int]) -> MigrationStats:
+        """Move layers so that the pipeline runs ``layers_per_stage`` (every process must call it with the same plan).
+
+        Layers move with their parameters, buffers, flags, attributes and optimizer state; the stages, schedule and
+        optimizer parameter groups are rebuilt. The math of training does not change.
+        """
+        assert self.runtime is not None and self._slots is not None and self.lightning_module is not None
+        lps = balance.validate_partition(layers_per_stage, self.n_layers, self.n_stages)
+        new = StagePlan(tuple(lps), self.pp_size)
+        if new == self.runtime.plan:
+            return MigrationStats(moves=[])
+        stats = migrate(
+            self._slots,
+            [getattr(o, "_optimizer", o) for o in self.optimizers],
+            self.runtime.plan,
+            new,
+            rank=self.pp_rank,
+            group=self.pp_group,
+            device=self.root_device,
+        )
+        self.runtime.set_plan(new)
+        self.partitions.append({"step": self.lightning_module.trainer.global_step, "layers_per_stage": lps})
+        return stats
 
     # ----------------------------------------------------------------------------------------------------------------
     # Collectives (over the whole job, as Lightning expects)

@@ -64,21 +64,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world_size: int, cases: dict[Path, list[str]], timeout: float = 600) -> dict[Path, CliRun]:
-    """Run several configurations in one launch of ``world_size`` processes (see ``tests/_worker.py``).
+def launch_script(world_size: int, script: Path, *args: str, log_dir: Path, timeout: float = 600) -> None:
+    """Start ``script`` in ``world_size`` processes as ranks of one job (the way torchrun/SLURM start them).
 
-    Every case gets the tiny config plus its overrides and ``trainer.devices=world_size``; returns one
-    :class:`CliRun` per run directory. All processes are killed on timeout, and a failure shows every rank's output.
+    Every process gets the distributed environment (``LOCAL_RANK`` etc.), so Lightning sees externally started
+    processes. All processes are killed on timeout, and a failure shows every rank's output.
     """
-    spec_dir = next(iter(cases)).parent
-    spec_dir.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "cases": [
-            {"run_dir": str(d), "overrides": [*TINY, *o, f"trainer.devices={world_size}"]} for d, o in cases.items()
-        ]
-    }
-    spec_path = spec_dir / f"spec-{world_size}-{os.getpid()}-{len(list(spec_dir.iterdir()))}.json"
-    spec_path.write_text(json.dumps(spec))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tag = f"{script.stem}-{world_size}-{len(list(log_dir.iterdir()))}"
     port = _free_port()
     procs = []
     for rank in range(world_size):
@@ -92,17 +85,9 @@ def launch(world_size: int, cases: dict[Path, list[str]], timeout: float = 600) 
             "NODE_RANK": "0",
             "LOCAL_RANK": str(rank),
         }
-        log = open(spec_path.with_suffix(f".rank{rank}.log"), "w")
+        log = open(log_dir / f"{tag}.rank{rank}.log", "w")
         procs.append(
-            (
-                subprocess.Popen(
-                    [sys.executable, str(Path(__file__).with_name("_worker.py")), str(spec_path)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                ),
-                log,
-            )
+            (subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=log, stderr=subprocess.STDOUT), log)
         )
     try:
         codes = [p.wait(timeout=timeout) for p, _ in procs]
@@ -114,10 +99,28 @@ def launch(world_size: int, cases: dict[Path, list[str]], timeout: float = 600) 
         log.close()
     if any(c != 0 for c in codes):
         logs = "\n".join(
-            f"--- rank {r} (exit {c}) ---\n{spec_path.with_suffix(f'.rank{r}.log').read_text()[-4000:]}"
+            f"--- rank {r} (exit {c}) ---\n{(log_dir / f'{tag}.rank{r}.log').read_text()[-4000:]}"
             for r, c in enumerate(codes)
         )
-        raise AssertionError(f"launch of {world_size} processes failed:\n{logs}")
+        raise AssertionError(f"{script.name} on {world_size} processes failed:\n{logs}")
+
+
+def launch(world_size: int, cases: dict[Path, list[str]], timeout: float = 600) -> dict[Path, CliRun]:
+    """Run several dynmo-train configurations in one launch of ``world_size`` processes (``tests/_worker.py``).
+
+    Every case gets the tiny config plus its overrides and ``trainer.devices=world_size``; returns one
+    :class:`CliRun` per run directory.
+    """
+    spec_dir = next(iter(cases)).parent
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "cases": [
+            {"run_dir": str(d), "overrides": [*TINY, *o, f"trainer.devices={world_size}"]} for d, o in cases.items()
+        ]
+    }
+    spec_path = spec_dir / f"spec-{world_size}-{len(list(spec_dir.iterdir()))}.json"
+    spec_path.write_text(json.dumps(spec))
+    launch_script(world_size, Path(__file__).with_name("_worker.py"), str(spec_path), log_dir=spec_dir, timeout=timeout)
     return {d: CliRun(d, None) for d in cases}
 
 

@@ -1,5 +1,6 @@
-"""Lightning callbacks: run summary (and, with the balancing and dynamics features, the balancer and dynamics)."""
+"""Lightning callbacks: the balancer and the run summary."""
 
+from dynmo_lightning.callbacks.balancer import DynMoBalancer
 from dynmo_lightning.callbacks.summary import RunSummary
 
-__all__ = ["RunSummary"]
+__all__ = ["DynMoBalancer", "RunSummary"]

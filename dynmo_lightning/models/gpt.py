@@ -15,12 +15,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dynmo_lightning.protocol import init_layer, run_layers
+from dynmo_lightning.protocol import PipelineModule, init_layer
 
 
 class Embedding(nn.Module):
@@ -104,7 +103,7 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class GPT(L.LightningModule):
+class GPT(PipelineModule):
     """Decoder-only GPT for next-token prediction, ready for pipeline parallelism.
 
     Args:
@@ -113,7 +112,8 @@ class GPT(L.LightningModule):
         n_layer: number of transformer blocks; the pipeline sees ``n_layer + 2`` layers (embedding, blocks, head).
         n_head: attention heads per block.
         n_embd: hidden size.
-        mlp_ratio: MLP hidden size as a multiple of ``n_embd``.
+        mlp_ratio: MLP hidden size as a multiple of ``n_embd``; a list gives each block its own (an uneven model
+            whose blocks cost very different amounts, as after structured pruning).
         dropout: dropout probability (0 keeps pipeline runs bit-comparable to single-process runs).
         bias: whether linear layers and norms have biases.
         lr: peak AdamW learning rate.
@@ -133,7 +133,7 @@ class GPT(L.LightningModule):
         n_layer: int = 4,
         n_head: int = 4,
         n_embd: int = 64,
-        mlp_ratio: int = 4,
+        mlp_ratio: int | list[int] = 4,
         dropout: float = 0.0,
         bias: bool = True,
         lr: float = 3e-3,
@@ -147,6 +147,8 @@ class GPT(L.LightningModule):
         super().__init__()
         if n_layer < 1:
             raise ValueError(f"model.n_layer={n_layer}: a GPT needs at least one block")
+        if isinstance(mlp_ratio, (list, tuple)) and len(mlp_ratio) != n_layer:
+            raise ValueError(f"model.mlp_ratio has {len(mlp_ratio)} entries for n_layer={n_layer} blocks")
         self.save_hyperparameters()
         self.pipeline_init_seed = init_seed
         self.embed: Embedding | None = None
@@ -159,9 +161,8 @@ class GPT(L.LightningModule):
             return
         hp = self.hparams
         self.embed = Embedding(hp.vocab_size, hp.block_size, hp.n_embd, hp.dropout)
-        self.blocks = nn.ModuleList(
-            Block(hp.n_embd, hp.n_head, hp.mlp_ratio * hp.n_embd, hp.dropout, hp.bias) for _ in range(hp.n_layer)
-        )
+        ratios = hp.mlp_ratio if isinstance(hp.mlp_ratio, (list, tuple)) else [hp.mlp_ratio] * hp.n_layer
+        self.blocks = nn.ModuleList(Block(hp.n_embd, hp.n_head, r * hp.n_embd, hp.dropout, hp.bias) for r in ratios)
         self.head = Head(hp.n_embd, hp.vocab_size, hp.bias)
         for i, layer in enumerate(self.pipeline_layers()):
             if not any(p.is_meta for p in layer.parameters()):
@@ -192,27 +193,6 @@ class GPT(L.LightningModule):
                 nn.init.ones_(p)
             else:
                 nn.init.zeros_(p)
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Plain (single-process) Lightning use
-    # ----------------------------------------------------------------------------------------------------------------
-    def forward(self, idx: Tensor) -> Tensor:
-        """Logits ``(B, T, vocab_size)`` for token ids ``(B, T)``."""
-        return run_layers(self.pipeline_layers(), idx)
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """Single-process training step (a pipeline strategy runs its own schedule instead)."""
-        x, y = batch
-        loss = self.pipeline_loss(self(x), y)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        """Single-process validation step."""
-        x, y = batch
-        loss = self.pipeline_loss(self(x), y)
-        self.log("val_loss", loss, prog_bar=True)
-        self.log("val_ppl", torch.exp(loss))
 
     def configure_optimizers(self) -> Any:
         """AdamW with two groups (matrices decayed; biases, norms, embeddings not) and optional warm-up/cosine.

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from dynmo_lightning.protocol import run_layers
+from dynmo_lightning.profiling import LayerProfiler
+from dynmo_lightning.protocol import is_probing, run_layers
 
 
 class RemoteLayer(nn.Module):
@@ -36,16 +37,27 @@ class RemoteLayer(nn.Module):
 
 
 class StageModule(nn.Module):
-    """The layers of one pipeline stage, run in order; what ``torch.distributed.pipelining`` wraps."""
+    """The layers of one pipeline stage, run in order; what ``torch.distributed.pipelining`` wraps.
 
-    def __init__(self, layers: Sequence[nn.Module], first_index: int) -> None:
+    Args:
+        layers: the stage's layers, in order.
+        first_index: global index of the first layer.
+        profiler: times the layers while it is active (not during shape probes).
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], first_index: int, profiler: LayerProfiler | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.first_index = first_index
+        self.profiler = profiler
 
     def forward(self, *args: object) -> object:
         """Run the stage's layers on the received activations."""
-        out = run_layers(self.layers, args if len(args) != 1 else args[0])
+        x = args if len(args) != 1 else args[0]
+        if self.profiler is not None and self.profiler.active and not is_probing():
+            out = self.profiler.run(self.layers, self.first_index, x)
+        else:
+            out = run_layers(self.layers, x)
         # p2p sends need dense, contiguous tensors; a layer may legally return a view.
         if isinstance(out, tuple):
             return tuple(t.contiguous() for t in out)

@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
+from dynmo_lightning.profiling import LayerProfiler
 from dynmo_lightning.protocol import as_tuple, probing
 
 #: Schedule names accepted by :class:`PipelineRuntime` (and ``DynMoStrategy(schedule=...)``).
@@ -117,6 +118,7 @@ class PipelineRuntime:
         n_microbatches: int,
         loss_fn: Callable[[Any, Tensor], Tensor],
     ) -> None:
+        self.profiler = LayerProfiler(device)
         self.slots = slots
         self.plan = plan
         self.rank = rank
@@ -162,7 +164,7 @@ class PipelineRuntime:
         modules = []
         for stage in self.local_stages:
             start, end = self.plan.bounds(stage)
-            modules.append(StageModule([self.slots.get(i) for i in range(start, end)], start))
+            modules.append(StageModule([self.slots.get(i) for i in range(start, end)], start, self.profiler))
         return modules
 
     # ------------------------------------------------------------------------------------------------------------

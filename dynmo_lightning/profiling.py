@@ -1,0 +1,246 @@
+"""Per-layer cost measured inside the real training step: forward and backward time, and memory.
+
+When a step is profiled, each stage runs its layers through :meth:`LayerProfiler.run` instead of plainly:
+
+* forward time: a clock reading before and after every layer (``time.perf_counter`` on CPU, CUDA events on GPU);
+* backward time: a gradient hook on the activations at every layer boundary fires when the gradient reaches that
+  boundary, so a layer's backward time is the gap between the boundary after it and the one before it. When a
+  stage's input carries no gradient (token ids into the embedding), the layer's backward ends with its last
+  parameter-gradient accumulation instead. Hooks observe; they never change a value, so profiling leaves the
+  math untouched;
+* activation memory: bytes of the tensors autograd saves for backward inside each layer (``saved_tensors_hooks``),
+  parameters excluded, per micro-batch.
+
+Values are per micro-batch (averaged over the step's micro-batches). Unprofiled steps run the layers untouched, so
+the overhead is paid only on sampled steps. :class:`CostTracker` smooths the gathered measurements of all layers
+with an exponential moving average and is what the balancer plans with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dynmo_lightning.protocol import as_tuple
+
+
+class _Clock:
+    """Timestamps that mean device time: CUDA events on GPU, ``perf_counter`` elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        """Seconds from ``start`` to ``end`` (call :meth:`sync` first on GPU)."""
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+@dataclasses.dataclass
+class LayerCost:
+    """Measured cost of one layer for one micro-batch (times in seconds, memory in bytes)."""
+
+    fwd: float
+    bwd: float
+    activation_bytes: int
+
+
+class LayerProfiler:
+    """Times the layers of this process's stages during profiled steps.
+
+    Args:
+        device: the device the layers run on (selects the clock).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._clock = _Clock(device)
+        self.active = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._calls = 0
+        self._fwd: list[tuple[int, Any, Any]] = []
+        self._act: dict[int, int] = defaultdict(int)
+        self._events: list[tuple[str, Any, Any]] = []
+        self._hooks: list[Any] = []
+        self._seen_layers: set[int] = set()
+
+    def start(self) -> None:
+        """Profile the following forward/backward passes (until :meth:`stop`)."""
+        self._reset()
+        self.active = True
+
+    def run(self, layers: Sequence[nn.Module], first_index: int, x: Any) -> Any:
+        """Run one micro-batch through a stage's ``layers`` with instrumentation; returns the stage output."""
+        call = self._calls
+        self._calls += 1
+        for offset, layer in enumerate(layers):
+            index = first_index + offset
+            self._mark(x, (call, index))
+            if offset == 0 and not any(t.requires_grad for t in as_tuple(x) if isinstance(t, Tensor)):
+                self._watch_params(index, layer)
+            params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+            seen: set[int] = set()
+
+            def pack(t: Tensor, index: int = index, params: set[int] = params, seen: set[int] = seen) -> Tensor:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in params and ptr not in seen:
+                    seen.add(ptr)
+                    self._act[index] += t.untyped_storage().nbytes()
+                return t
+
+            start = self._clock.now()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                x = layer(*x) if isinstance(x, tuple) else layer(x)
+            self._fwd.append((index, start, self._clock.now()))
+        self._mark(x, (call, first_index + len(layers)))
+        return x
+
+    def _mark(self, x: Any, key: tuple[int, int]) -> None:
+        """Timestamp the gradient's arrival at boundary ``key = (call, layer whose input this is)``."""
+        if not torch.is_grad_enabled():
+            return
+        for t in as_tuple(x):
+            if isinstance(t, Tensor) and t.requires_grad:
+                # Removed in `stop`: stage input buffers persist across steps.
+                self._hooks.append(t.register_hook(lambda _g, key=key: self._stamp("boundary", key)))
+
+    def _stamp(self, kind: str, key: Any) -> None:
+        self._events.append((kind, key, self._clock.now()))
+
+    def _watch_params(self, index: int, layer: nn.Module) -> None:
+        """Mark the end of ``layer``'s backward by its parameter-gradient accumulation (its input has no grad)."""
+        if index in self._seen_layers:
+            return
+        self._seen_layers.add(index)
+        for p in layer.parameters():
+            if p.requires_grad:
+                self._hooks.append(
+                    p.register_post_accumulate_grad_hook(lambda _p, index=index: self._stamp("param", index))
+                )
+
+    def stop(self) -> dict[int, LayerCost]:
+        """End profiling and return this process's measurements per layer index (per micro-batch averages)."""
+        self.active = False
+        for h in self._hooks:
+            h.remove()
+        self._clock.sync()
+        fwd: dict[int, float] = defaultdict(float)
+        calls: dict[int, int] = defaultdict(int)
+        for index, start, end in self._fwd:
+            fwd[index] += self._clock.elapsed(start, end)
+            calls[index] += 1
+        bwd = self._backward_times()
+        result = {
+            i: LayerCost(fwd=fwd[i] / n, bwd=bwd.get(i, 0.0) / n, activation_bytes=self._act[i] // n)
+            for i, n in calls.items()
+        }
+        self._reset()
+        return result
+
+    def _backward_times(self) -> dict[int, float]:
+        """Per layer, the summed backward time over all micro-batches, from the boundary/parameter events."""
+        times: dict[tuple[int, int], Any] = {}
+        param_end: dict[tuple[int, int], Any] = {}
+        current_call = -1
+        for kind, key, stamp in self._events:
+            if kind == "boundary":
+                times[key] = stamp
+                current_call = key[0]
+            else:  # parameter gradient of layer `key`, during the backward of the latest boundary's call
+                param_end[(current_call, key)] = stamp
+        out: dict[int, float] = defaultdict(float)
+        for (call, boundary), start in times.items():
+            layer = boundary - 1  # the boundary after `layer` opens its backward
+            end = times.get((call, layer), param_end.get((call, layer)))
+            if end is not None and layer >= 0:
+                out[layer] += max(0.0, self._clock.elapsed(start, end))
+        return out
+
+
+def static_memory(layer: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int]:
+    """Bytes of a layer's parameters (and buffers), of its gradients, and of its optimizer state."""
+    params = sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
+    grads = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+    optim = 0
+    if optimizer is not None:
+        for p in layer.parameters():
+            for v in optimizer.state.get(p, {}).values():
+                if isinstance(v, Tensor):
+                    optim += v.numel() * v.element_size()
+    return params, grads, optim
+
+
+class CostTracker:
+    """Exponential moving averages of every layer's measured costs (the same on every process).
+
+    Args:
+        n_layers: number of pipeline layers.
+        smoothing: weight of a new measurement (1.0 keeps only the latest).
+    """
+
+    FIELDS = ("fwd", "bwd", "activation_bytes", "param_bytes", "grad_bytes", "optim_bytes")
+
+    def __init__(self, n_layers: int, smoothing: float = 0.5) -> None:
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing={smoothing} must be in (0, 1]")
+        self.n_layers = n_layers
+        self.smoothing = smoothing
+        self.values: dict[str, list[float]] = {f: [0.0] * n_layers for f in self.FIELDS}
+        self.samples = 0
+
+    def update(self, measured: dict[int, dict[str, float]]) -> None:
+        """Fold one profiled step's measurements (``{layer: {field: value}}`` for all layers) into the averages."""
+        missing = set(range(self.n_layers)) - set(measured)
+        if missing:
+            raise ValueError(f"profile is missing layers {sorted(missing)[:5]}")
+        a = 1.0 if self.samples == 0 else self.smoothing
+        for field, values in self.values.items():
+            for i in range(self.n_layers):
+                values[i] = a * float(measured[i][field]) + (1 - a) * values[i]
+        self.samples += 1
+
+    @property
+    def compute(self) -> list[float]:
+        """Forward plus backward time per layer and micro-batch."""
+        return [f + b for f, b in zip(self.values["fwd"], self.values["bwd"], strict=True)]
+
+    def memory(self, inflight_microbatches: int) -> list[float]:
+        """Bytes a layer needs on its stage with ``inflight_microbatches`` micro-batches' activations alive."""
+        v = self.values
+        return [
+            v["param_bytes"][i]
+            + v["grad_bytes"][i]
+            + v["optim_bytes"][i]
+            + inflight_microbatches * v["activation_bytes"][i]
+            for i in range(self.n_layers)
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state."""
+        return {"values": self.values, "samples": self.samples, "smoothing": self.smoothing}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the layer count must match)."""
+        if len(state["values"]["fwd"]) != self.n_layers:
+            raise ValueError(
+                f"saved costs describe {len(state['values']['fwd'])} layers, the model has {self.n_layers}"
+            )
+        self.values = {k: list(v) for k, v in state["values"].items()}
+        self.samples = int(state["samples"])

@@ -1,0 +1,36 @@
+"""Layer migration carries everything that defines a layer, keeps optimizer state, and frees the sender's memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _helpers import launch_script
+
+from dynmo_lightning.pipeline.migration import Move, plan_moves
+from dynmo_lightning.pipeline.runtime import StagePlan
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_plan_moves_in_global_order():
+    old, new = StagePlan((3, 3), 2), StagePlan((1, 5), 2)
+    assert plan_moves(old, new) == [Move(0, 1, (1, 2))]
+    old, new = StagePlan((1, 1, 4), 3), StagePlan((3, 2, 1), 3)
+    assert plan_moves(old, new) == [Move(1, 0, (1,)), Move(2, 0, (2,)), Move(2, 1, (3, 4))]
+    assert plan_moves(old, old) == []
+
+
+@pytest.mark.slow
+def test_layers_move_with_attributes_buffers_flags_and_optimizer_state(tmp_path: Path):
+    out = tmp_path / "result"
+    launch_script(2, Path(__file__).with_name("_migration_script.py"), str(out), log_dir=tmp_path)
+    r0 = json.loads(Path(f"{out}.rank0.json").read_text())
+    r1 = json.loads(Path(f"{out}.rank1.json").read_text())
+    assert r0["moves"] == r1["moves"] == [[1, 2]]
+    assert r0["local"] == [0] and r1["local"] == [1, 2, 3]
+    assert r0["freed"]  # the sender no longer holds the moved parameters
+    assert r0["n_params"] == r0["opt_params"] == 2  # only layer 0 (weight, bias) is left on rank 0
+    # weights in group 0, trainable biases none (frozen): every optimized parameter kept its group
+    assert r1["checks"] == {"1.weight": 0, "2.weight": 0}

@@ -1,0 +1,84 @@
+"""The profiler measures every layer inside the real step and never changes the math."""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import pytest
+import torch
+
+from dynmo_lightning import DynMoStrategy
+from dynmo_lightning.data import StdlibCharDataModule
+from dynmo_lightning.models import GPT
+from dynmo_lightning.profiling import CostTracker
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Profile(L.Callback):
+    """Profiles the steps in `steps` and keeps what the profiler measured."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps, self.measured, self.losses = steps, {}, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step in self.steps:
+            trainer.strategy.runtime.profiler.start()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        profiler = trainer.strategy.runtime.profiler
+        if profiler.active:
+            self.measured[trainer.global_step - 1] = trainer.strategy.gather_costs(profiler.stop())
+
+
+def _fit(steps: set[int]) -> tuple[Profile, GPT]:
+    model = GPT(n_layer=3, n_embd=32, n_head=4, block_size=32, mlp_ratio=[8, 1, 1])
+    cb = Profile(steps)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=DynMoStrategy(n_microbatches=4),
+        max_steps=4,
+        callbacks=[cb],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, datamodule=StdlibCharDataModule(block_size=32, batch_size=16, max_bytes=100_000))
+    return cb, model
+
+
+def test_profiles_every_layer_and_leaves_the_math_alone():
+    profiled, _ = _fit({1, 2, 3})
+    plain, _ = _fit(set())
+    assert profiled.losses == plain.losses  # hooks observe only: bit-identical training
+    assert sorted(profiled.measured) == [1, 2, 3]
+    for costs in profiled.measured.values():
+        assert sorted(costs) == list(range(5))  # embedding, 3 blocks, head
+        for i, c in costs.items():
+            assert c["fwd"] > 0 and c["bwd"] > 0, (i, c)  # embedding backward is timed by its parameters' grads
+            assert c["activation_bytes"] > 0 and c["param_bytes"] > 0 and c["grad_bytes"] == c["param_bytes"]
+            # Adam: two moments per parameter plus a 4-byte step counter per tensor
+            assert 2 * c["param_bytes"] <= c["optim_bytes"] <= 2 * c["param_bytes"] + 4 * 16
+    # the 8x MLP block saves more activations than a 1x block
+    last = profiled.measured[3]
+    assert last[1]["activation_bytes"] > 2 * last[2]["activation_bytes"]
+
+
+def test_cost_tracker_moving_average_and_state():
+    tracker = CostTracker(2, smoothing=0.5)
+    row = {"fwd": 1.0, "bwd": 2.0, "activation_bytes": 10, "param_bytes": 4, "grad_bytes": 4, "optim_bytes": 8}
+    tracker.update({0: row, 1: {**row, "fwd": 3.0}})
+    tracker.update({0: {**row, "fwd": 3.0}, 1: row})
+    assert tracker.values["fwd"] == [2.0, 2.0]
+    assert tracker.compute == [4.0, 4.0]
+    assert tracker.memory(inflight_microbatches=2) == [36.0, 36.0]
+    clone = CostTracker(2)
+    clone.load_state_dict(tracker.state_dict())
+    assert clone.values == tracker.values and clone.samples == 2
+    with pytest.raises(ValueError, match="missing layers"):
+        tracker.update({0: row})
+    with pytest.raises(ValueError, match="describe 2 layers, the model has 3"):
+        CostTracker(3).load_state_dict(tracker.state_dict())
+    assert torch.tensor(tracker.compute).sum() == 8.0
