@@ -34,9 +34,8 @@ TINY = [
 class CliRun:
     """A finished `dynmo-train` run: its directory, summary and end-of-training checkpoint."""
 
-    def __init__(self, run_dir: Path, proc: subprocess.CompletedProcess[str] | None) -> None:
+    def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.proc = proc
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -47,15 +46,14 @@ class CliRun:
         return torch.load(self.run_dir / "checkpoints" / "final.ckpt", map_location="cpu", weights_only=False)
 
 
-def run_cli(run_dir: Path, *overrides: str, timeout: float = 240, expect_ok: bool = True) -> CliRun:
-    """Run ``python -m dynmo_lightning.cli`` with the tiny config plus ``overrides`` in ``run_dir``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    env.pop("LOCAL_RANK", None)
-    cmd = [sys.executable, "-m", "dynmo_lightning.cli", *TINY, *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"dynmo-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return CliRun(run_dir, proc)
+#: Variables Lightning's launcher and cluster environments export; a test must not leak them into another.
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK")
+
+
+def clean_env() -> dict[str, str]:
+    """The test process's environment without distributed settings, one thread per process."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def _free_port() -> int:
@@ -121,7 +119,7 @@ def launch(world_size: int, cases: dict[Path, list[str]], timeout: float = 600) 
     spec_path = spec_dir / f"spec-{world_size}-{len(list(spec_dir.iterdir()))}.json"
     spec_path.write_text(json.dumps(spec))
     launch_script(world_size, Path(__file__).with_name("_worker.py"), str(spec_path), log_dir=spec_dir, timeout=timeout)
-    return {d: CliRun(d, None) for d in cases}
+    return {d: CliRun(d) for d in cases}
 
 
 def assert_close_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-5) -> None:

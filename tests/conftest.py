@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+import os
 
 import pytest
-from _helpers import CliRun, run_cli
+import torch.distributed as dist
+from _helpers import DIST_ENV
 
 
-@pytest.fixture
-def cli(tmp_path: Path):
-    """``cli(name, *overrides)`` runs dynmo-train in ``tmp_path / name``."""
-
-    def _run(name: str, *overrides: str, **kwargs: Any) -> CliRun:
-        return run_cli(tmp_path / name, *overrides, **kwargs)
-
-    return _run
+@pytest.fixture(autouse=True)
+def _clean_distributed():
+    """In-process Trainer runs leave a process group (with a listening store) and env vars behind: drop both."""
+    saved = {k: os.environ.get(k) for k in DIST_ENV}
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _helpers import TINY
+from _helpers import TINY, clean_env
 from hydra import compose, initialize_config_dir
 
 from dynmo_lightning.cli import CONF_DIR
@@ -53,7 +53,7 @@ def test_overrides_compose(overrides):
 @pytest.mark.timeout(600)
 def test_multirun_sweep_with_two_processes_per_job(tmp_path):
     exe = shutil.which("dynmo-train") or str(Path(os.sys.executable).with_name("dynmo-train"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = clean_env()
     cmd = [
         exe,
         "-m",
