@@ -4,7 +4,8 @@ A layer travels as the module object itself, so parameters, buffers, ``requires_
 arrives pruned) and any dynamic state a layer keeps in its attributes (masks, routers, thresholds, flags) all move
 with it, together with the optimizer state of its parameters (e.g. Adam moments and step counts) and the index of
 the parameter group each parameter belongs to. The module is pickled with its tensors replaced by references; the
-tensors go as one raw byte buffer per transfer with ``torch.distributed`` point-to-point (on the GPU under NCCL).
+tensors themselves go with batched ``torch.distributed`` point-to-point operations (GPU to GPU under NCCL), received
+directly into the receiver's new tensors.
 
 Migration is two-phase: every transfer completes and every receiver has rebuilt its layers before anyone commits;
 only then do senders drop their copies and receivers install theirs, and the optimizers are updated in place (so LR
@@ -63,6 +64,10 @@ def plan_moves(old: StagePlan, new: StagePlan) -> list[Move]:
 # ---------------------------------------------------------------------------------------------------------------------
 # Serialisation: pickle with tensors by reference, tensor bytes in one flat buffer
 # ---------------------------------------------------------------------------------------------------------------------
+#: Tensors smaller than this travel together in one byte buffer; a message each would cost more than the copy.
+_COALESCE_BELOW = 64 * 1024
+
+
 class _Packer(pickle.Pickler):
     """Pickles objects with tensors on ``device`` replaced by references into :attr:`tensors` (shared ones once)."""
 
@@ -74,13 +79,12 @@ class _Packer(pickle.Pickler):
 
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, Tensor) or obj.device != self.device:
-            return None  # small CPU tensors (e.g. Adam's step under NCCL) are pickled inline
+            return None  # e.g. Adam's CPU step counters under NCCL: pickled inline
         key = self._keys.get(id(obj))
         if key is None:
             key = self._keys[id(obj)] = len(self.tensors)
             self.tensors.append(obj.detach())
-        meta = (key, obj.dtype, tuple(obj.shape), obj.requires_grad, isinstance(obj, nn.Parameter))
-        return meta
+        return key, obj.requires_grad, isinstance(obj, nn.Parameter)
 
 
 class _Unpacker(pickle.Unpickler):
@@ -90,7 +94,7 @@ class _Unpacker(pickle.Unpickler):
         self._made: dict[int, Tensor] = {}
 
     def persistent_load(self, pid: Any) -> Tensor:
-        key, _, _, requires_grad, is_param = pid
+        key, requires_grad, is_param = pid
         if key not in self._made:
             t = self._tensors[key]
             self._made[key] = (
@@ -99,24 +103,78 @@ class _Unpacker(pickle.Unpickler):
         return self._made[key]
 
 
-def _pack(obj: Any, device: torch.device) -> tuple[bytes, list[tuple[torch.dtype, tuple[int, ...]]], Tensor]:
+def _pack(obj: Any, device: torch.device) -> tuple[bytes, list[Tensor]]:
+    """Pickle ``obj`` without its device tensors; returns the pickle and the tensors (contiguous) to send raw."""
     f = io.BytesIO()
     packer = _Packer(f, device)
     packer.dump(obj)
-    specs = [(t.dtype, tuple(t.shape)) for t in packer.tensors]
-    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in packer.tensors]
-    buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
-    return f.getvalue(), specs, buffer
+    return f.getvalue(), [t.contiguous() for t in packer.tensors]
 
 
-def _unpack(blob: bytes, specs: list[tuple[torch.dtype, tuple[int, ...]]], buffer: Tensor) -> Any:
-    tensors, offset = [], 0
-    for dtype, shape in specs:
-        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        # clone: every tensor gets its own storage, freed independently when its layer later moves on
-        tensors.append(buffer[offset : offset + n].clone().view(dtype).reshape(shape))
-        offset += n
+def _unpack(blob: bytes, tensors: list[Tensor]) -> Any:
     return _Unpacker(io.BytesIO(blob), tensors).load()
+
+
+#: Dtypes every torch.distributed backend transfers natively; others travel as their bytes.
+_NATIVE = {
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.int8,
+}
+
+
+def _bytes(t: Tensor) -> Tensor:
+    """A flat byte view of a contiguous tensor's memory."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _wire(t: Tensor) -> Tensor:
+    """The tensor as it goes over the wire (a byte view of the same memory for exotic dtypes)."""
+    return t if t.dtype in _NATIVE else _bytes(t)
+
+
+def _send_tensors(tensors: list[Tensor], peer: int, group: dist.ProcessGroup | None) -> None:
+    """Large tensors go as messages of their own, small ones together in one byte buffer."""
+    small = [_bytes(t) for t in tensors if t.numel() * t.element_size() < _COALESCE_BELOW]
+    ops = [
+        dist.P2POp(dist.isend, _wire(t), peer, group)
+        for t in tensors
+        if t.numel() * t.element_size() >= _COALESCE_BELOW
+    ]
+    if small:
+        ops.append(dist.P2POp(dist.isend, torch.cat(small), peer, group))
+    _exchange(ops)
+
+
+def _recv_tensors(tensors: list[Tensor], peer: int, group: dist.ProcessGroup | None) -> None:
+    """Receive into ``tensors`` (allocated by the caller) what :func:`_send_tensors` sent."""
+    small = [t for t in tensors if t.numel() * t.element_size() < _COALESCE_BELOW]
+    ops = [
+        dist.P2POp(dist.irecv, _wire(t), peer, group)
+        for t in tensors
+        if t.numel() * t.element_size() >= _COALESCE_BELOW
+    ]
+    buffer = torch.empty(sum(t.numel() * t.element_size() for t in small), dtype=torch.uint8, device=tensors[0].device)
+    if small:
+        ops.append(dist.P2POp(dist.irecv, buffer, peer, group))
+    _exchange(ops)
+    offset = 0
+    for t in small:
+        n = t.numel() * t.element_size()
+        _bytes(t).copy_(buffer[offset : offset + n])
+        offset += n
+
+
+def _exchange(ops: list[dist.P2POp]) -> None:
+    """Run point-to-point operations concurrently and wait for all of them."""
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -196,24 +254,25 @@ def migrate(
         if rank not in (move.src, move.dst):
             continue
         try:
+            peer = global_rank(move.dst if rank == move.src else move.src)
             if rank == move.src:
                 payload = {i: (slots.get(i), _optimizer_entries(slots.get(i), optimizers)) for i in move.layers}
-                blob, specs, buffer = _pack(payload, device)
-                dist.send_object_list(
-                    [(blob, specs, buffer.numel())], dst=global_rank(move.dst), group=group, device=object_device
-                )
-                if buffer.numel():
-                    dist.send(buffer, dst=global_rank(move.dst), group=group)
-                stats.bytes_sent += len(blob) + buffer.numel()
+                blob, tensors = _pack(payload, device)
+                header = (blob, [(t.dtype, tuple(t.shape)) for t in tensors])
+                dist.send_object_list([header], dst=peer, group=group, device=object_device)
+                if tensors:
+                    _send_tensors(tensors, peer, group)
+                stats.bytes_sent += len(blob) + sum(t.numel() * t.element_size() for t in tensors)
             else:
                 header: list[Any] = [None]
-                dist.recv_object_list(header, src=global_rank(move.src), group=group, device=object_device)
-                blob, specs, n = header[0]
-                buffer = torch.empty(n, dtype=torch.uint8, device=device)
-                if n:
-                    dist.recv(buffer, src=global_rank(move.src), group=group)
-                received.update(_unpack(blob, specs, buffer))
-                stats.bytes_received += len(blob) + n
+                dist.recv_object_list(header, src=peer, group=group, device=object_device)
+                blob, specs = header[0]
+                # Large tensors are received straight into their final memory.
+                tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
+                if tensors:
+                    _recv_tensors(tensors, peer, group)
+                received.update(_unpack(blob, tensors))
+                stats.bytes_received += len(blob) + sum(t.numel() * t.element_size() for t in tensors)
         except Exception as e:
             ok, error = False, e
             break
