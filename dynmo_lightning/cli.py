@@ -1,8 +1,8 @@
 """Hydra entry points: ``dynmo-train``.
 
-``dynmo-train`` composes ``conf/config.yaml`` (groups ``model``, ``data``, ``trainer``, ``strategy``, ``balancer``),
-trains, and writes ``summary.json``, ``csv/metrics.csv`` and ``checkpoints/final.ckpt`` (plus ``last.ckpt`` on
-schedule) into the run directory (``hydra.run.dir``; in a multirun, each job's own directory).
+``dynmo-train`` composes ``conf/config.yaml`` (groups ``model``, ``data``, ``trainer``, ``strategy``, ``balancer``,
+``dynamics``), trains, and writes ``summary.json``, ``csv/metrics.csv`` and ``checkpoints/final.ckpt`` (plus
+``last.ckpt`` on schedule) into the run directory (``hydra.run.dir``; in a multirun, each job's own directory).
 """
 
 from __future__ import annotations
@@ -48,11 +48,10 @@ def _pin_multirun_job() -> None:
 
 
 def build_callbacks(cfg: DictConfig) -> list[Any]:
-    """The callbacks a config asks for (balancer; dynamics later)."""
-    callbacks = []
-    if cfg.balancer.get("_target_"):
-        callbacks.append(instantiate(cfg.balancer, _convert_="all"))
-    return callbacks
+    """The callbacks a config asks for: the dynamic technique, then the balancer (which reacts to it)."""
+    return [
+        instantiate(cfg[group], _convert_="all") for group in ("dynamics", "balancer") if cfg[group].get("_target_")
+    ]
 
 
 def build_trainer(cfg: DictConfig, callbacks: list[Any] | None = None) -> L.Trainer:

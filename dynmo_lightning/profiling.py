@@ -5,9 +5,9 @@ When a step is profiled, each stage runs its layers through :meth:`LayerProfiler
 * forward time: a clock reading before and after every layer (``time.perf_counter`` on CPU, CUDA events on GPU);
 * backward time: a gradient hook on the activations at every layer boundary fires when the gradient reaches that
   boundary, so a layer's backward time is the gap between the boundary after it and the one before it. When a
-  stage's input carries no gradient (token ids into the embedding), the layer's backward ends with its last
-  parameter-gradient accumulation instead. Hooks observe; they never change a value, so profiling leaves the
-  math untouched;
+  layer's input carries no gradient (token ids into the embedding, the output of a frozen prefix), its backward ends
+  with its last parameter-gradient accumulation instead. Hooks observe; they never change a value, so profiling
+  leaves the math untouched;
 * activation memory: bytes of the tensors autograd saves for backward inside each layer (``saved_tensors_hooks``),
   parameters excluded, per micro-batch.
 
@@ -93,7 +93,7 @@ class LayerProfiler:
         for offset, layer in enumerate(layers):
             index = first_index + offset
             self._mark(x, (call, index))
-            if offset == 0 and not any(t.requires_grad for t in as_tuple(x) if isinstance(t, Tensor)):
+            if not any(t.requires_grad for t in as_tuple(x) if isinstance(t, Tensor)):
                 self._watch_params(index, layer)
             params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
             seen: set[int] = set()

@@ -156,6 +156,37 @@ def is_probing() -> bool:
     return _probing
 
 
+def local_layers(module: Any) -> list[tuple[int, nn.Module]]:
+    """``(index, layer)`` of the pipeline layers held by this process (all of them without a pipeline strategy).
+
+    Layers of other pipeline stages are placeholders marked ``pipeline_remote``; dynamics callbacks change only the
+    layers they hold, and agree with the other processes through collectives.
+    """
+    return [
+        (i, layer) for i, layer in enumerate(module.pipeline_layers()) if not getattr(layer, "pipeline_remote", False)
+    ]
+
+
+def layers_changed(trainer: Any) -> None:
+    """Tell the strategy that layers changed which parameters train or what they output (call on every process).
+
+    A pipeline strategy rebuilds its stages before the next step (stage boundaries may stop carrying gradients);
+    other strategies ignore it.
+    """
+    hook = getattr(trainer.strategy, "on_layers_changed", None)
+    if callable(hook):
+        hook()
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every process's ``obj`` (just ``[obj]`` without torch.distributed): how dynamics agree on global decisions."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def as_tuple(x: Any) -> tuple[Any, ...]:
     """Normalise a layer's input/output to a tuple (layers may pass a tensor or a tuple of tensors)."""
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)

@@ -546,6 +546,15 @@ class DynMoStrategy(ParallelStrategy):
         dist.all_gather_object(parts, mine, group=self.pp_group)
         return {i: v for part in parts for i, v in part.items()}
 
+    def on_layers_changed(self) -> None:
+        """Rebuild stages and schedules before the next step (called on every process by dynamics callbacks).
+
+        Layers that stopped (or started) training change which stage boundaries carry gradients, which the stages'
+        static metadata encodes; the next step probes again.
+        """
+        if self.runtime is not None:
+            self.runtime.invalidate()
+
     def repartition(self, layers_per_stage: list[int]) -> MigrationStats:
         """Move layers so that the pipeline runs ``layers_per_stage`` (every process must call it with the same plan).
 

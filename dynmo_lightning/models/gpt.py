@@ -13,12 +13,15 @@ whether or not the model is split.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
+from dynmo_lightning.optim import index_select_
 from dynmo_lightning.protocol import PipelineModule, init_layer
 
 
@@ -38,13 +41,20 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention on ``(B, T, C)`` hidden states."""
+    """Multi-head causal self-attention on ``(B, T, C)`` hidden states.
+
+    Structured pruning removes whole heads (:meth:`keep_units`): the projections shrink, so attention costs fall
+    with the number of heads left.
+    """
+
+    unit_kind = "head"
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
         self.n_head = n_head
+        self.initial_units = n_head
         self.head_dim = n_embd // n_head
         self.qkv = nn.Linear(n_embd, 3 * n_head * self.head_dim, bias=bias)
         self.proj = nn.Linear(n_head * self.head_dim, n_embd, bias=bias)
@@ -59,12 +69,62 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
 
+    def _rows(self, heads: Tensor) -> Tensor:
+        """Rows of ``qkv`` (laid out ``[3, n_head, head_dim]``) that belong to ``heads``, in layout order."""
+        d = torch.arange(self.head_dim, device=heads.device)
+        per_head = (heads[:, None] * self.head_dim + d).reshape(-1)
+        return torch.cat([c * self.n_head * self.head_dim + per_head for c in range(3)])
+
+    def unit_scores(self) -> Tensor:
+        """L2 norm of each head's query/key/value rows and output-projection columns."""
+        heads = torch.arange(self.n_head, device=self.qkv.weight.device)
+        rows = self.qkv.weight.detach().square().sum(1)
+        if self.qkv.bias is not None:
+            rows = rows + self.qkv.bias.detach().square()
+        per_head = rows.view(3, self.n_head, self.head_dim).sum((0, 2))
+        cols = self.proj.weight.detach().square().sum(0).view(self.n_head, self.head_dim).sum(1)
+        return (per_head + cols)[heads].sqrt()
+
+    def keep_units(self, keep: Tensor, optimizers: Sequence[Optimizer] = ()) -> None:
+        """Keep only the heads ``keep`` (ascending indices), slicing weights and their optimizer state in place."""
+        rows = self._rows(keep)
+        index_select_(self.qkv.weight, 0, rows, optimizers)
+        if self.qkv.bias is not None:
+            index_select_(self.qkv.bias, 0, rows, optimizers)
+        cols = (keep[:, None] * self.head_dim + torch.arange(self.head_dim, device=keep.device)).reshape(-1)
+        index_select_(self.proj.weight, 1, cols, optimizers)
+        self._set_heads(len(keep))
+
+    def _set_heads(self, n_head: int) -> None:
+        self.n_head = n_head
+        self.qkv.out_features = 3 * n_head * self.head_dim
+        self.proj.in_features = n_head * self.head_dim
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # A checkpoint of a pruned model has fewer heads: take its shapes before its values.
+        w = state_dict.get(prefix + "qkv.weight")
+        if w is not None and w.shape != self.qkv.weight.shape:
+            heads = w.shape[0] // (3 * self.head_dim)
+            _resize(self.qkv.weight, tuple(w.shape))
+            if self.qkv.bias is not None:
+                _resize(self.qkv.bias, (w.shape[0],))
+            _resize(self.proj.weight, (self.proj.weight.shape[0], heads * self.head_dim))
+            self._set_heads(heads)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
 
 class MLP(nn.Module):
-    """Position-wise feed-forward network with a GELU."""
+    """Position-wise feed-forward network with a GELU.
+
+    Structured pruning removes hidden neurons (:meth:`keep_units`): both matrices shrink, so the MLP's cost falls with
+    the fraction of neurons kept.
+    """
+
+    unit_kind = "neuron"
 
     def __init__(self, n_embd: int, hidden: int, dropout: float, bias: bool) -> None:
         super().__init__()
+        self.initial_units = hidden
         self.fc = nn.Linear(n_embd, hidden, bias=bias)
         self.proj = nn.Linear(hidden, n_embd, bias=bias)
         self.drop = nn.Dropout(dropout)
@@ -72,6 +132,38 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """Apply the MLP position-wise."""
         return self.drop(self.proj(F.gelu(self.fc(x))))
+
+    def unit_scores(self) -> Tensor:
+        """L2 norm of each hidden neuron's input row, bias and output column."""
+        score = self.fc.weight.detach().square().sum(1) + self.proj.weight.detach().square().sum(0)
+        if self.fc.bias is not None:
+            score = score + self.fc.bias.detach().square()
+        return score.sqrt()
+
+    def keep_units(self, keep: Tensor, optimizers: Sequence[Optimizer] = ()) -> None:
+        """Keep only the hidden neurons ``keep`` (ascending), slicing weights and their optimizer state in place."""
+        index_select_(self.fc.weight, 0, keep, optimizers)
+        if self.fc.bias is not None:
+            index_select_(self.fc.bias, 0, keep, optimizers)
+        index_select_(self.proj.weight, 1, keep, optimizers)
+        self.fc.out_features = self.proj.in_features = len(keep)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # A checkpoint of a pruned model has fewer neurons: take its shapes before its values.
+        w = state_dict.get(prefix + "fc.weight")
+        if w is not None and w.shape != self.fc.weight.shape:
+            hidden = w.shape[0]
+            _resize(self.fc.weight, tuple(w.shape))
+            if self.fc.bias is not None:
+                _resize(self.fc.bias, (hidden,))
+            _resize(self.proj.weight, (self.proj.weight.shape[0], hidden))
+            self.fc.out_features = self.proj.in_features = hidden
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def _resize(param: nn.Parameter, shape: tuple[int, ...]) -> None:
+    """Give ``param`` a new shape in place (values follow from the state dict being loaded)."""
+    param.data = param.data.new_empty(shape)
 
 
 class Block(nn.Module):

@@ -20,6 +20,9 @@ from dynmo_lightning.protocol import is_probing, run_layers
 class RemoteLayer(nn.Module):
     """Stand-in for a layer that lives on another pipeline stage (no parameters, cannot run)."""
 
+    #: Marks a placeholder for :func:`dynmo_lightning.protocol.local_layers`.
+    pipeline_remote = True
+
     def __init__(self, index: int) -> None:
         super().__init__()
         self.index = index

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from dynmo_lightning.optim import drop_params
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.runtime import StagePlan
 
@@ -193,16 +194,6 @@ def _optimizer_entries(layer: nn.Module, optimizers: Sequence[Optimizer]) -> dic
     return out
 
 
-def _drop_from_optimizers(layer: nn.Module, optimizers: Sequence[Optimizer]) -> None:
-    ids = {id(p) for p in layer.parameters()}
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) not in ids]
-        for p in list(opt.state):
-            if id(p) in ids:
-                del opt.state[p]
-
-
 def _add_to_optimizers(layer: nn.Module, entries: dict[str, tuple[int, int, dict]], optimizers: Sequence[Optimizer]):
     params = dict(layer.named_parameters())
     for name, (o, g, state) in entries.items():
@@ -287,7 +278,7 @@ def migrate(
     for move in moves:
         if rank == move.src:
             for i in move.layers:
-                _drop_from_optimizers(slots.get(i), optimizers)
+                drop_params(slots.get(i).parameters(), optimizers)
                 slots.remove(i)
     for i, (module, entries) in sorted(received.items()):
         slots.install(i, module)

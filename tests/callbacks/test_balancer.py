@@ -12,7 +12,8 @@ from dynmo_lightning.balance import InfeasibleMemoryError, bottleneck, partition
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
 
-STEPS = ["trainer.max_steps=30"]
+# a warm-up LR schedule runs too: migrations must leave the scheduler (bound to the same optimizer) intact
+STEPS = ["trainer.max_steps=30", "model.warmup_steps=10"]
 RANDOM = ["balancer=optimal", "balancer.method=random", "balancer.every_n_steps=3", "balancer.warmup_steps=0"]
 # Blocks with MLP hidden sizes 16x vs 1x the model width: the uniform split [4, 4] is badly unbalanced.
 UNEVEN = ["model.n_layer=6", "model.n_embd=64", "model.mlp_ratio=[16,16,16,1,1,1]"]

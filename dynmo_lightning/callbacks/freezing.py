@@ -1,0 +1,194 @@
+"""LayerFreezing: progressively freeze a prefix of the pipeline layers, with a real compute saving.
+
+Decided from training signals as in AutoFreeze / PipeTransformer (``mode="auto"``): each layer's gradient norm is
+accumulated over a window of ``check_every_n_steps`` steps; at every check the relative change of that accumulated
+norm from the previous window is compared across the still-trainable layers, and the prefix is frozen up to (not
+including) the first layer whose change ratio reaches the ``percentile`` of them — layers in front that have stopped
+moving are done learning. ``mode="schedule"`` freezes layer ``i`` at a fixed step instead (reproducible experiments).
+The head (last layer) is never frozen; ``max_frozen_fraction`` caps the prefix.
+
+Why the saving is real: a frozen layer's parameters get ``requires_grad=False`` and leave the optimizer (their state
+is dropped). Because everything in front of it is frozen too, nothing that enters the prefix requires grad, so
+autograd records nothing there: no activations are kept and there is no backward at all; a pipeline stage made only
+of frozen layers runs forward only (its output carries no gradient, and the strategy rebuilds the stages when the
+prefix grows). The frozen flag lives on the layer (``layer.pipeline_frozen``), so it moves with the layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from dynmo_lightning.optim import drop_params
+from dynmo_lightning.protocol import all_gather, layers_changed, local_layers
+
+MODES = ("auto", "schedule")
+
+#: Layer attribute holding the layer's gradient norms summed over the current window.
+_WINDOW = "pipeline_freeze_window"
+
+
+class LayerFreezing(Callback):
+    """Freeze a growing prefix of ``pipeline_layers()`` during training.
+
+    Args:
+        mode: ``"auto"`` (from gradient-norm change, AutoFreeze-style) or ``"schedule"``.
+        check_every_n_steps: window length and check interval of ``auto`` mode.
+        start_step: no freezing before this step.
+        percentile: in ``(0, 100]``; ``auto`` freezes up to the first layer whose change ratio is at least this
+            percentile of the trainable layers' ratios (lower freezes more cautiously).
+        max_frozen_fraction: at most this fraction of the layers is frozen (the head never is).
+        schedule: ``{layer index: step}`` for ``mode="schedule"``; steps must not decrease with the index (a prefix).
+    """
+
+    def __init__(
+        self,
+        mode: str = "auto",
+        check_every_n_steps: int = 25,
+        start_step: int = 50,
+        percentile: float = 50.0,
+        max_frozen_fraction: float = 0.75,
+        schedule: dict[int, int] | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"dynamics.mode={mode!r} is not one of {list(MODES)}")
+        if not 0.0 < percentile <= 100.0:
+            raise ValueError(f"dynamics.percentile={percentile} must be in (0, 100]")
+        if not 0.0 <= max_frozen_fraction < 1.0:
+            raise ValueError(f"dynamics.max_frozen_fraction={max_frozen_fraction} must be in [0, 1)")
+        if check_every_n_steps < 1:
+            raise ValueError(f"dynamics.check_every_n_steps={check_every_n_steps} must be >= 1")
+        if mode == "schedule":
+            if not schedule:
+                raise ValueError("dynamics.mode='schedule' needs dynamics.schedule={layer index: step, ...}")
+            steps = [int(schedule[i]) if i in schedule else None for i in range(max(map(int, schedule)) + 1)]
+            if None in steps or any(b < a for a, b in itertools.pairwise(steps)):
+                raise ValueError(
+                    f"dynamics.schedule={dict(schedule)} must freeze a prefix: give layers 0..k, with steps that do "
+                    "not decrease with the layer index"
+                )
+        self.mode = mode
+        self.check_every_n_steps = check_every_n_steps
+        self.start_step = start_step
+        self.percentile = percentile
+        self.max_frozen_fraction = max_frozen_fraction
+        self.schedule = {int(k): int(v) for k, v in (schedule or {}).items()}
+        #: Number of frozen layers (layers ``0 .. frozen - 1``), the same on every process.
+        self.frozen = 0
+        self._previous: dict[int, float] | None = None
+        self._restored_window: dict[int, float] = {}
+        self._applied = 0
+        self._module: pl.LightningModule | None = None
+
+    # ----------------------------------------------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        n_layers = len(pl_module.pipeline_layers())
+        if self.schedule and max(self.schedule) >= n_layers - 1:
+            raise ValueError(
+                f"dynamics.schedule freezes layer {max(self.schedule)} but the model has {n_layers} layers and the "
+                "last (the head) is never frozen"
+            )
+        self._applied = 0
+        self._apply(trainer, pl_module)  # a resumed run re-freezes its prefix
+        for i, layer in local_layers(pl_module):
+            if i in self._restored_window:
+                setattr(layer, _WINDOW, self._restored_window[i])
+        self._restored_window = {}
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.mode != "auto":
+            return
+        for _, layer in local_layers(pl_module):
+            grads = [p.grad for p in layer.parameters() if p.grad is not None]
+            if grads:
+                norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+                # Layer state: the running sum moves with the layer when the balancer migrates it.
+                setattr(layer, _WINDOW, getattr(layer, _WINDOW, 0.0) + norm)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step < self.start_step:
+            return
+        n_layers = len(pl_module.pipeline_layers())
+        limit = min(n_layers - 1, math.floor(self.max_frozen_fraction * n_layers))
+        if self.mode == "schedule":
+            target = sum(1 for i, t in self.schedule.items() if t <= step)
+        elif step % self.check_every_n_steps == 0:
+            target = self._decide(pl_module, n_layers)
+        else:
+            return
+        target = min(target, limit)
+        if target > self.frozen:
+            self.frozen = target
+            self._apply(trainer, pl_module)
+            pl_module.log("dynamics/frozen_layers", float(self.frozen), on_step=True, on_epoch=False)
+
+    def _decide(self, pl_module: pl.LightningModule, n_layers: int) -> int:
+        """The frozen prefix length after this window (collective: every process takes part)."""
+        window = _gather_windows(pl_module)
+        for _, layer in local_layers(pl_module):
+            setattr(layer, _WINDOW, 0.0)
+        previous, self._previous = self._previous, window
+        if previous is None:
+            return self.frozen
+        candidates = [i for i in range(self.frozen, n_layers - 1) if i in window and previous.get(i, 0.0) > 0]
+        if not candidates:
+            return self.frozen
+        ratios = {i: abs(window[i] - previous[i]) / previous[i] for i in candidates}
+        threshold = float(np.percentile(list(ratios.values()), self.percentile))
+        k = self.frozen
+        while k < n_layers - 1 and k in ratios and ratios[k] < threshold:
+            k += 1
+        return k
+
+    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Freeze local layers ``[applied, frozen)`` and tell the strategy (stage boundaries may lose gradients)."""
+        if self.frozen == self._applied:
+            return
+        newly = []
+        for i, layer in local_layers(pl_module):
+            if self._applied <= i < self.frozen:
+                layer.pipeline_frozen = True
+                for p in layer.parameters():
+                    p.requires_grad_(False)
+                    p.grad = None
+                    newly.append(p)
+        drop_params(newly, trainer.optimizers)
+        self._applied = self.frozen
+        layers_changed(trainer)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Every process calls this when a checkpoint is written; the windows live on the layers of all stages.
+        window = _gather_windows(self._module) if self._module is not None else {}
+        return {"frozen": self.frozen, "window": window, "previous": self._previous}
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._module = pl_module
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.frozen = int(state_dict["frozen"])
+        self._restored_window = {int(k): float(v) for k, v in state_dict.get("window", {}).items()}
+        previous = state_dict.get("previous")
+        self._previous = {int(k): float(v) for k, v in previous.items()} if previous is not None else None
+
+
+def _gather_windows(pl_module: pl.LightningModule) -> dict[int, float]:
+    """Every layer's window sum, from all processes (layers that never had a gradient are absent)."""
+    local = {i: getattr(layer, _WINDOW) for i, layer in local_layers(pl_module) if hasattr(layer, _WINDOW)}
+    return {i: v for part in all_gather(local) for i, v in part.items()}

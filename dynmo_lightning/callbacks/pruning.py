@@ -1,0 +1,242 @@
+"""GradualPruning: Zhu & Gupta's cubic sparsity schedule, structured (real speed-up) or unstructured (masks).
+
+Sparsity follows ``s_t = s_f + (s_0 - s_f) * (1 - (t - t0) / (n * dt)) ** 3`` from ``start_step`` (``t0``) to
+``end_step`` (``t0 + n * dt``), applied every ``every_n_steps`` (``dt``) steps, by magnitude.
+
+* ``mode="structured"`` (default) removes whole units: hidden neurons of MLPs and attention heads, physically
+  shrinking the weight matrices, so compute falls with the kept fraction on dense kernels. Any submodule of a
+  pipeline layer that implements the :class:`PrunableUnits` protocol takes part (the reference GPT's ``MLP`` and
+  ``CausalSelfAttention`` do). The optimizer state of the surviving rows/columns is kept (sliced, not reset), and the
+  parameter objects stay the same, so optimizers and LR schedulers are untouched. Each kind of unit is pruned to the
+  target sparsity of its initial count, globally across all layers (``scope="global"``: layers end up with different
+  widths, which is what makes the pipeline uneven) or per module (``scope="layer"``).
+* ``mode="unstructured"`` zeroes individual weights of the ``nn.Linear`` layers inside the pipeline layers (the last
+  layer excluded), for accuracy experiments. It gives **no speed-up on dense kernels**: the matrices keep their size.
+  The mask is the weights' zero pattern: taken before every optimizer step (and applied to the gradients), re-imposed
+  after it, so it needs no state of its own and moves and checkpoints with the weights.
+
+Shapes live in the layer's parameters, so a pruned layer migrates pruned and a checkpoint resumes pruned (the GPT's
+modules take their shapes from the checkpoint before its values). Decisions that span stages (global scores) are
+gathered from every process, so all stages prune the same units.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from dynmo_lightning.protocol import all_gather, local_layers
+
+MODES = ("structured", "unstructured")
+SCOPES = ("global", "layer")
+
+
+@runtime_checkable
+class PrunableUnits(Protocol):
+    """A module whose units (neurons, heads) can be removed: what structured pruning needs from a model."""
+
+    unit_kind: str
+    initial_units: int
+
+    def unit_scores(self) -> Tensor:
+        """One magnitude score per current unit."""
+        ...
+
+    def keep_units(self, keep: Tensor, optimizers: Sequence[Optimizer] = ()) -> None:
+        """Keep only units ``keep`` (ascending), shrinking parameters and their optimizer state in place."""
+        ...
+
+
+def cubic_sparsity(step: int, initial: float, final: float, start: int, end: int) -> float:
+    """Zhu & Gupta's schedule: ``initial`` before ``start``, ``final`` from ``end`` on, cubic in between."""
+    if step <= start:
+        return initial
+    if step >= end:
+        return final
+    return final + (initial - final) * (1 - (step - start) / (end - start)) ** 3
+
+
+class GradualPruning(Callback):
+    """Prune gradually during training (works with and without ``DynMoStrategy``).
+
+    Args:
+        final_sparsity: target fraction removed, in ``[0, 1)``.
+        initial_sparsity: fraction removed at ``start_step``, in ``[0, final_sparsity]``.
+        start_step: first pruning step.
+        end_step: step where the final sparsity is reached.
+        every_n_steps: pruning interval.
+        mode: ``"structured"`` or ``"unstructured"`` (see the module docstring).
+        scope: ``"global"`` (rank units/weights across all layers) or ``"layer"`` (each module on its own).
+        min_units: units every structured module keeps at least.
+    """
+
+    def __init__(
+        self,
+        final_sparsity: float = 0.5,
+        initial_sparsity: float = 0.0,
+        start_step: int = 20,
+        end_step: int = 150,
+        every_n_steps: int = 10,
+        mode: str = "structured",
+        scope: str = "global",
+        min_units: int = 1,
+    ) -> None:
+        if not 0.0 <= final_sparsity < 1.0:
+            raise ValueError(f"dynamics.final_sparsity={final_sparsity} must be in [0, 1)")
+        if not 0.0 <= initial_sparsity <= final_sparsity:
+            raise ValueError(
+                f"dynamics.initial_sparsity={initial_sparsity} must be in [0, final_sparsity={final_sparsity}]"
+            )
+        if end_step <= start_step:
+            raise ValueError(f"dynamics.end_step={end_step} must come after dynamics.start_step={start_step}")
+        if every_n_steps < 1:
+            raise ValueError(f"dynamics.every_n_steps={every_n_steps} must be >= 1")
+        if mode not in MODES:
+            raise ValueError(f"dynamics.mode={mode!r} is not one of {list(MODES)}")
+        if scope not in SCOPES:
+            raise ValueError(f"dynamics.scope={scope!r} is not one of {list(SCOPES)}")
+        if min_units < 1:
+            raise ValueError(f"dynamics.min_units={min_units} must be >= 1")
+        self.final_sparsity = final_sparsity
+        self.initial_sparsity = initial_sparsity
+        self.start_step = start_step
+        self.end_step = end_step
+        self.every_n_steps = every_n_steps
+        self.mode = mode
+        self.scope = scope
+        self.min_units = min_units
+        #: Sparsity last applied.
+        self.sparsity = 0.0
+        self._masks: list[tuple[nn.Parameter, Tensor]] = []
+
+    def sparsity_at(self, step: int) -> float:
+        """Target sparsity after ``step`` optimizer steps."""
+        return cubic_sparsity(step, self.initial_sparsity, self.final_sparsity, self.start_step, self.end_step)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.mode == "unstructured" and self.sparsity > 0:
+            self._masks = [(w, w.detach() != 0) for w in _prunable_weights(pl_module)]
+            for w, mask in self._masks:
+                if w.grad is not None:
+                    w.grad.mul_(mask)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        for w, mask in self._masks:  # the optimizer step (momentum, weight decay) may have moved pruned weights
+            with torch.no_grad():
+                w.mul_(mask)
+        self._masks = []
+        due = self.start_step <= step <= self.end_step and (step - self.start_step) % self.every_n_steps == 0
+        target = self.sparsity_at(step)
+        if not due or target <= self.sparsity:
+            return
+        if self.mode == "structured":
+            self._prune_units(pl_module, target, trainer.optimizers)
+        else:
+            self._prune_weights(pl_module, target, trainer.optimizers)
+        self.sparsity = target
+        pl_module.log("dynamics/sparsity", target, on_step=True, on_epoch=False)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def _prune_units(self, pl_module: pl.LightningModule, target: float, optimizers: Sequence[Optimizer]) -> None:
+        modules = {
+            (i, name): m
+            for i, layer in local_layers(pl_module)
+            for name, m in layer.named_modules()
+            if isinstance(m, PrunableUnits)
+        }
+        scores = {key: (m.unit_kind, m.initial_units, m.unit_scores().float().cpu()) for key, m in modules.items()}
+        everyone = {key: value for part in all_gather(scores) for key, value in part.items()}
+        keep = self._units_to_keep(everyone, target)
+        for key, m in modules.items():
+            if len(keep[key]) < len(everyone[key][2]):
+                m.keep_units(keep[key].to(next(m.parameters()).device), optimizers)
+
+    def _units_to_keep(self, scores: dict[Any, tuple[str, int, Tensor]], target: float) -> dict[Any, Tensor]:
+        """Ascending indices of the units each module keeps; the same result on every process."""
+        keep: dict[Any, Tensor] = {}
+        if self.scope == "layer":
+            for key, (_, initial, s) in scores.items():
+                keep[key] = _top(s, max(self.min_units, math.ceil((1 - target) * initial)))
+            return keep
+        for kind in sorted({kind for kind, _, _ in scores.values()}):
+            keys = sorted(k for k, v in scores.items() if v[0] == kind)
+            total = sum(scores[k][1] for k in keys)
+            budget = max(len(keys) * self.min_units, math.ceil((1 - target) * total))
+            # Every module keeps its min_units best units; the rest of the budget goes to the best scores anywhere.
+            # Ties break by (module, unit) order, so every process picks the same units.
+            chosen = {k: set(_top(scores[k][2], min(self.min_units, len(scores[k][2]))).tolist()) for k in keys}
+            rest = sorted(
+                (
+                    (-float(v), n, j)
+                    for n, k in enumerate(keys)
+                    for j, v in enumerate(scores[k][2].tolist())
+                    if j not in chosen[k]
+                )
+            )
+            for _, n, j in rest[: max(0, budget - sum(len(c) for c in chosen.values()))]:
+                chosen[keys[n]].add(j)
+            for k in keys:
+                keep[k] = torch.tensor(sorted(chosen[k]), dtype=torch.long)
+        return keep
+
+    def _prune_weights(self, pl_module: pl.LightningModule, target: float, optimizers: Sequence[Optimizer]) -> None:
+        weights = _prunable_weights(pl_module)
+        if self.scope == "global":
+            local = torch.cat([w.detach().abs().flatten().float().cpu() for w in weights]) if weights else None
+            magnitudes = torch.cat([m for m in all_gather(local) if m is not None])
+            k = int(target * magnitudes.numel())
+            threshold = float(magnitudes.kthvalue(k).values) if k > 0 else -1.0
+            thresholds = [threshold] * len(weights)
+        else:
+            thresholds = []
+            for w in weights:
+                k = int(target * w.numel())
+                thresholds.append(float(w.detach().abs().flatten().kthvalue(k).values) if k > 0 else -1.0)
+        for w, threshold in zip(weights, thresholds, strict=True):
+            mask = w.detach().abs() > threshold
+            with torch.no_grad():
+                w.mul_(mask)
+            for opt in optimizers:
+                for value in opt.state.get(w, {}).values():
+                    if isinstance(value, Tensor) and value.shape == w.shape:
+                        value.mul_(mask)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"sparsity": self.sparsity}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.sparsity = float(state_dict["sparsity"])
+
+
+def _top(scores: Tensor, k: int) -> Tensor:
+    """Ascending indices of the ``k`` largest scores (ties to the lower index)."""
+    order = sorted(range(len(scores)), key=lambda j: (-float(scores[j]), j))
+    return torch.tensor(sorted(order[:k]), dtype=torch.long)
+
+
+def _prunable_weights(pl_module: pl.LightningModule) -> list[nn.Parameter]:
+    """Weights of ``nn.Linear`` modules in the local pipeline layers, the last (output) layer excluded."""
+    n_layers = len(pl_module.pipeline_layers())
+    return [
+        m.weight
+        for i, layer in local_layers(pl_module)
+        if i < n_layers - 1
+        for m in layer.modules()
+        if isinstance(m, nn.Linear)
+    ]
