@@ -17,28 +17,12 @@ import time
 import lightning.pytorch as L
 import torch
 import torch.distributed as dist
+from _bench import fit, ideal_speedup
 
-from dynmo_lightning import DynMoBalancer, DynMoStrategy
-from dynmo_lightning.balance import bottleneck, diffuse, partition, stage_times, step_time
-from dynmo_lightning.data import StdlibCharDataModule
-from dynmo_lightning.models import GPT
+from dynmo_lightning import DynMoBalancer
+from dynmo_lightning.balance import diffuse, partition
 
 RATIOS = [16, 16, 8, 4, 1, 1, 1, 1]
-
-
-class StepTimer(L.Callback):
-    """Wall time of training steps from `start_step` on (rank 0's clock; all ranks advance in lockstep)."""
-
-    def __init__(self, start_step: int) -> None:
-        self.start_step, self.t0, self.steps, self.seconds = start_step, 0.0, 0, 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.start_step:
-            self.t0 = time.perf_counter()
-
-    def on_train_end(self, trainer, pl_module):
-        self.seconds = time.perf_counter() - self.t0
-        self.steps = trainer.global_step - self.start_step
 
 
 class AlwaysProfile(L.Callback):
@@ -51,23 +35,10 @@ class AlwaysProfile(L.Callback):
         trainer.strategy.gather_costs(trainer.strategy.runtime.profiler.stop())
 
 
-def fit(args, callbacks: list[L.Callback]) -> tuple[L.Trainer, StepTimer]:
-    L.seed_everything(0)
-    timer = StepTimer(args.measure_from)
-    model = GPT(n_layer=len(RATIOS), n_embd=args.hidden, n_head=4, block_size=args.block, mlp_ratio=RATIOS)
-    data = StdlibCharDataModule(block_size=args.block, batch_size=args.batch, max_bytes=2_000_000)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=dist.get_world_size() if dist.is_initialized() else 2,
-        strategy=DynMoStrategy(n_microbatches=args.microbatches, schedule="1f1b"), max_steps=args.steps,
-        callbacks=[timer, *callbacks], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0,
-    )
-    trainer.fit(model, datamodule=data)
-    return trainer, timer
-
-
-def tokens_per_s(args, timer: StepTimer) -> float:
-    return timer.steps * args.batch * args.block / timer.seconds
+def run(args, callbacks: list[L.Callback]) -> tuple[L.Trainer, float]:
+    model = {"n_layer": len(RATIOS), "n_embd": args.hidden, "n_head": 4, "block_size": args.block, "mlp_ratio": RATIOS}
+    data = {"block_size": args.block, "batch_size": args.batch}
+    return fit(model, data, callbacks, steps=args.steps, measure_from=args.measure_from, microbatches=args.microbatches)
 
 
 def migration_speed(trainer: L.Trainer, repeats: int) -> dict[str, float]:
@@ -131,23 +102,15 @@ def main() -> None:
     args = parser.parse_args()
 
     results: dict[str, list[float]] = {"static": [], "balanced": [], "profiled_static": []}
-    ideal, ideal_bottleneck, partitions, trainer = None, None, None, None
+    ideal, partitions, trainer = None, None, None
     for _ in range(args.repeats):
-        _, t = fit(args, [])
-        results["static"].append(tokens_per_s(args, t))
+        results["static"].append(run(args, [])[1])
         balancer = DynMoBalancer(every_n_steps=10, warmup_steps=3, min_gain=0.02)
-        trainer, t = fit(args, [balancer])
-        results["balanced"].append(tokens_per_s(args, t))
-        _, t = fit(args, [AlwaysProfile()])
-        results["profiled_static"].append(tokens_per_s(args, t))
-        costs, v = balancer.tracker.compute, balancer.tracker.values
-        uniform, best = partition(costs, 2, method="uniform"), partition(costs, 2, method="optimal")
-
-        def predicted(split: list[int], v: dict = v) -> float:
-            return step_time(*stage_times(v["fwd"], v["bwd"], split), args.microbatches, "1f1b")
-
-        ideal = predicted(uniform) / predicted(best)
-        ideal_bottleneck = bottleneck(costs, uniform) / bottleneck(costs, best)
+        trainer, tps = run(args, [balancer])
+        results["balanced"].append(tps)
+        results["profiled_static"].append(run(args, [AlwaysProfile()])[1])
+        static = partition([1.0] * len(balancer.tracker.compute), 2, method="uniform")
+        ideal = ideal_speedup(balancer.tracker.values, static, 2, args.microbatches)
         partitions = trainer.strategy.partitions
     mean = {k: sum(v) / len(v) for k, v in results.items()}
     overhead = 100 * (mean["static"] / mean["profiled_static"] - 1)
@@ -156,8 +119,6 @@ def main() -> None:
         "speedup_balanced_over_static": mean["balanced"] / mean["static"],
         # what the 1F1B cost model predicts from the measured per-layer costs (fill/drain included)
         "ideal_speedup_from_measured_costs": ideal,
-        # the bottleneck-stage ratio alone (the limit for many micro-batches)
-        "bottleneck_ratio_from_measured_costs": ideal_bottleneck,
         "partitions": partitions,
         "profiled_step_overhead_pct": overhead,
         # DynMoBalancer() profiles one step in every_n_steps // 5 = 10 by default

@@ -1,0 +1,79 @@
+"""Shared pieces of the example benchmarks: one timed training run under DynMoStrategy, in the current world.
+
+Benchmarks run under ``torchrun`` so that every Trainer of an invocation reuses the same processes and process group
+(policies then alternate A B A B in one invocation and machine drift cancels).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import lightning.pytorch as L
+
+from dynmo_lightning import DynMoStrategy
+from dynmo_lightning.balance import partition, stage_times, step_time
+from dynmo_lightning.data import StdlibCharDataModule
+from dynmo_lightning.models import GPT
+
+
+def world_size() -> int:
+    """Processes of this torchrun job (known before the first Trainer initialises the process group)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class StepTimer(L.Callback):
+    """Wall time of the training steps from ``start_step`` on (all ranks advance in lockstep)."""
+
+    def __init__(self, start_step: int) -> None:
+        self.start_step, self.t0, self.steps, self.seconds = start_step, 0.0, 0, 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.start_step:
+            self.t0 = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module):
+        self.seconds = time.perf_counter() - self.t0
+        self.steps = trainer.global_step - self.start_step
+
+
+def fit(
+    model: dict[str, Any],
+    data: dict[str, Any],
+    callbacks: list[L.Callback],
+    *,
+    steps: int,
+    measure_from: int,
+    microbatches: int = 4,
+    schedule: str = "1f1b",
+) -> tuple[L.Trainer, float]:
+    """Train a GPT for ``steps`` steps; returns the trainer and tokens/s measured from ``measure_from`` on."""
+    L.seed_everything(0)
+    timer = StepTimer(measure_from)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size(),
+        max_steps=steps,
+        strategy=DynMoStrategy(n_microbatches=microbatches, schedule=schedule),
+        callbacks=[timer, *callbacks],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    datamodule = StdlibCharDataModule(max_bytes=2_000_000, **data)
+    trainer.fit(GPT(**model), datamodule=datamodule)
+    return trainer, timer.steps * datamodule.tokens_per_batch / timer.seconds
+
+
+def ideal_speedup(values: dict[str, list[float]], static: list[int], n_stages: int, microbatches: int) -> float:
+    """Step time of ``static`` over the optimal split's, predicted by the 1F1B cost model from measured costs."""
+    costs = [f + b for f, b in zip(values["fwd"], values["bwd"], strict=True)]
+    best = partition(costs, n_stages, method="optimal")
+
+    def predicted(split: list[int]) -> float:
+        return step_time(*stage_times(values["fwd"], values["bwd"], split), microbatches, "1f1b")
+
+    return predicted(static) / predicted(best)
