@@ -14,6 +14,7 @@ optimizer step and LR schedulers all see the pipeline's gradients.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import warnings
 from collections.abc import Mapping
@@ -52,6 +53,13 @@ from dynmo_lightning.pipeline.checkpoint import (
     merge_named_optimizer_states,
     named_optimizer_state,
 )
+from dynmo_lightning.pipeline.groups import (
+    SHUTDOWN_KEY,
+    ResizedEnvironment,
+    control_store,
+    restart_world,
+    share_ports,
+)
 from dynmo_lightning.pipeline.layers import LayerSlots, RemoteLayer
 from dynmo_lightning.pipeline.migration import MigrationStats, migrate
 from dynmo_lightning.pipeline.runtime import (
@@ -67,6 +75,12 @@ from dynmo_lightning.protocol import ProtocolError, check_protocol, init_layer, 
 
 #: Initial partitions that ``DynMoStrategy(partition=...)`` accepts by name (or a list of layers per stage).
 PARTITIONS = ("uniform", "params")
+
+#: What a process released by consolidation does: leave at once, or idle until training ends.
+ON_RELEASE = ("exit", "wait")
+
+#: How long a released process waits for the end of training (``on_release="wait"``).
+_RELEASED_WAIT = timedelta(days=7)
 
 
 class DynMoStrategy(ParallelStrategy):
@@ -145,6 +159,7 @@ class DynMoStrategy(ParallelStrategy):
         self._param_order: list[str] = []
         self._pending_grads: list[tuple[Tensor, Tensor]] = []
         self._eval_metrics: dict[str, Any] = {}
+        self._control: dist.TCPStore | None = None
         #: ``[{"step", "layers_per_stage"}]``: the initial partition and every change.
         self.partitions: list[dict[str, Any]] = []
 
@@ -579,6 +594,82 @@ class DynMoStrategy(ParallelStrategy):
         self.partitions.append({"step": self.lightning_module.trainer.global_step, "layers_per_stage": lps})
         return stats
 
+    def shrink(self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit") -> MigrationStats:
+        """Consolidate the pipeline onto ``keep_ranks`` and release every other process (collective).
+
+        Layers move onto the kept ranks (exactly, with their state); then every process leaves the default process
+        group and the survivors start a new one among themselves, ranked in the order of ``keep_ranks``. Lightning's
+        view follows: world size and ranks come from a :class:`~dynmo_lightning.pipeline.groups.ResizedEnvironment`.
+        A released process leaves ``trainer.fit`` with ``SystemExit(0)``: at once (``on_release="exit"``), or when
+        training ends (``"wait"``: it idles, holding no layers, until rank 0 tears down).
+
+        Args:
+            keep_ranks: current pipeline ranks that keep running, ascending, starting with 0 (rank 0 logs and
+                checkpoints, it is never released).
+            layers_per_stage: the partition over the kept ranks.
+            on_release: ``"exit"`` or ``"wait"``.
+        """
+        assert self.runtime is not None and self._slots is not None and self.cluster_environment is not None
+        if on_release not in ON_RELEASE:
+            raise ValueError(f"balancer.on_release={on_release!r} is not one of {list(ON_RELEASE)}")
+        if self.stages_per_rank != 1:
+            raise ValueError("consolidation needs one stage per rank (strategy.stages_per_rank=1)")
+        if not keep_ranks or keep_ranks[0] != 0 or sorted(set(keep_ranks)) != keep_ranks:
+            raise ValueError(f"keep_ranks={keep_ranks} must be ascending, distinct and start with rank 0")
+        lps = balance.validate_partition(layers_per_stage, self.n_layers, len(keep_ranks))
+        old_rank, old_size = self.pp_rank, self.pp_size
+        world_port, control_port = share_ports(2)
+        target = [0] * old_size
+        for stage, rank in enumerate(keep_ranks):
+            target[rank] = lps[stage]
+        stats = migrate(
+            self._slots,
+            [getattr(o, "_optimizer", o) for o in self.optimizers],
+            self.runtime.plan,
+            StagePlan(tuple(target), old_size),
+            rank=old_rank,
+            group=self.pp_group,
+            device=self.root_device,
+        )
+        self.runtime.invalidate()
+        dist.barrier()
+        dist.destroy_process_group()
+        address = self.cluster_environment.main_address
+        timeout = self._timeout
+        if old_rank not in keep_ranks:
+            self._release(address, control_port, on_release)
+        new_rank = keep_ranks.index(old_rank)
+        if new_rank == 0 and on_release == "wait":
+            self._control = control_store(address, control_port, is_master=True, timeout=timeout)
+        restart_world(
+            address=address,
+            port=world_port,
+            rank=new_rank,
+            world_size=len(keep_ranks),
+            backend=self._process_group_backend or "gloo",
+            timeout=timeout,
+            device=self.root_device,
+        )
+        self.cluster_environment = ResizedEnvironment(self.cluster_environment, len(keep_ranks), new_rank, world_port)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self.runtime.rank = new_rank
+        self.runtime.set_plan(StagePlan(tuple(lps), len(keep_ranks)))
+        assert self.lightning_module is not None
+        self.partitions.append({"step": self.lightning_module.trainer.global_step, "layers_per_stage": lps})
+        return stats
+
+    def _release(self, address: str, control_port: int, on_release: str) -> None:
+        """End this process's part in training: it holds no layers any more (it sent them all)."""
+        self.runtime = None
+        self._pending_grads = []
+        gc.collect()
+        if self.root_device.type == "cuda":
+            torch.cuda.empty_cache()
+        if on_release == "wait":
+            store = control_store(address, control_port, is_master=False, timeout=_RELEASED_WAIT)
+            store.wait([SHUTDOWN_KEY], _RELEASED_WAIT)
+        raise SystemExit(0)
+
     # ----------------------------------------------------------------------------------------------------------------
     # Collectives (over the whole job, as Lightning expects)
     # ----------------------------------------------------------------------------------------------------------------
@@ -682,6 +773,8 @@ class DynMoStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
+        if self._control is not None:
+            self._control.set(SHUTDOWN_KEY, "1")  # processes released with on_release="wait" may exit now
         module = self._lightning_module
         if module is not None and any(p.is_meta for p in module.parameters()):
             # Set-up failed before the split: meta tensors cannot move to CPU (and hold no memory), so keep the base

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from dynmo_lightning.pipeline.groups import free_port
 
 #: A gpt_tiny small enough that a 20-step run of 4 processes takes seconds on 2 cores.
 TINY = [
@@ -56,12 +57,6 @@ def clean_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_script(world_size: int, script: Path, *args: str, log_dir: Path, timeout: float = 600) -> None:
     """Start ``script`` in ``world_size`` processes as ranks of one job (the way torchrun/SLURM start them).
 
@@ -70,7 +65,7 @@ def launch_script(world_size: int, script: Path, *args: str, log_dir: Path, time
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     tag = f"{script.stem}-{world_size}-{len(list(log_dir.iterdir()))}"
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world_size):
         env = {

@@ -21,8 +21,8 @@ def main() -> None:
         for case in spec["cases"]:
             cfg = compose("config", overrides=[*case["overrides"], f"run_dir={case['run_dir']}"])
             try:
-                run(cfg)
-            except BaseException:
+                run(cfg)  # a process released by consolidation leaves here with SystemExit(0)
+            except Exception:
                 traceback.print_exc()
                 sys.exit(17)
 

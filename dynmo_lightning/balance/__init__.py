@@ -16,6 +16,8 @@ the number of layers, stage ``i`` holding the next contiguous block. Stages and 
   rounds used, bottleneck and whether it finished within ``max_rounds``.
 * :func:`bottleneck`, :func:`stage_loads`, :func:`validate_partition` - measure and check partitions.
 * :class:`InfeasibleMemoryError` (a ``ValueError``) - no split fits the capacities; the message says why.
+* :func:`plan_repack` - the fewest stages within a tolerance of the current step time, and which ranks keep
+  running so that the fewest bytes move (:class:`RepackPlan`).
 * Cost model (:mod:`~dynmo_lightning.balance.cost_model`): :func:`stage_times`, :func:`step_time`,
   :func:`bubble_fraction`, :func:`should_repartition` - GPipe/1F1B step time under a split, and whether a
   re-partition saves more than the migration costs.
@@ -28,15 +30,18 @@ from dynmo_lightning.balance.diffusion import DiffusionResult, diffuse
 from dynmo_lightning.balance.layout import bottleneck, stage_loads, validate_partition
 from dynmo_lightning.balance.optimal import InfeasibleMemoryError
 from dynmo_lightning.balance.partition import METHODS, partition
+from dynmo_lightning.balance.repack import RepackPlan, plan_repack
 
 __all__ = [
     "METHODS",
     "DiffusionResult",
     "InfeasibleMemoryError",
+    "RepackPlan",
     "bottleneck",
     "bubble_fraction",
     "diffuse",
     "partition",
+    "plan_repack",
     "should_repartition",
     "stage_loads",
     "stage_times",

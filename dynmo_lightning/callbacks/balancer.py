@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from dynmo_lightning import balance
 from dynmo_lightning.profiling import CostTracker
-from dynmo_lightning.strategy import DynMoStrategy
+from dynmo_lightning.strategy import ON_RELEASE, DynMoStrategy
 
 #: Planning methods of the balancer (``"random"`` migrates to a random valid split at every check: a chaos test of
 #: layer migration, never a performance policy).
@@ -48,6 +48,12 @@ class DynMoBalancer(Callback):
         memory_capacity: bytes a stage may hold (one number, or one per stage); ``None`` ignores memory.
         p2p_seconds: predicted time of one activation transfer between stages (for the cost model).
         seed: seed of ``method="random"``.
+        repack: after each check, consolidate onto the fewest processes predicted within ``repack_tolerance`` of
+            the current step time, and release the others (see :meth:`DynMoStrategy.shrink`).
+        repack_tolerance: accepted relative slow-down of a repack (0.05: 5 %).
+        min_world_size: never consolidate below this many processes.
+        on_release: what a released process does: ``"exit"`` (leave ``fit`` and exit with status 0 now) or
+            ``"wait"`` (idle, holding no memory for layers, until training ends).
     """
 
     def __init__(
@@ -61,6 +67,10 @@ class DynMoBalancer(Callback):
         memory_capacity: float | list[float] | None = None,
         p2p_seconds: float = 0.0,
         seed: int = 0,
+        repack: bool = False,
+        repack_tolerance: float = 0.05,
+        min_world_size: int = 1,
+        on_release: str = "exit",
     ) -> None:
         if method not in METHODS:
             raise ValueError(f"balancer.method={method!r} is not one of {list(METHODS)}")
@@ -72,6 +82,12 @@ class DynMoBalancer(Callback):
             raise ValueError(f"balancer.profile_every_n_steps={profile_every_n_steps} must be >= 1")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"balancer.smoothing={smoothing} must be in (0, 1]")
+        if repack_tolerance < 0:
+            raise ValueError(f"balancer.repack_tolerance={repack_tolerance} must be >= 0")
+        if min_world_size < 1:
+            raise ValueError(f"balancer.min_world_size={min_world_size} must be >= 1")
+        if on_release not in ON_RELEASE:
+            raise ValueError(f"balancer.on_release={on_release!r} is not one of {list(ON_RELEASE)}")
         self.every_n_steps = every_n_steps
         self.method = method
         self.min_gain = min_gain
@@ -80,6 +96,10 @@ class DynMoBalancer(Callback):
         self.smoothing = smoothing
         self.memory_capacity = memory_capacity
         self.p2p_seconds = p2p_seconds
+        self.repack = repack
+        self.repack_tolerance = repack_tolerance
+        self.min_world_size = min_world_size
+        self.on_release = on_release
         self._rng = random.Random(seed)
         self.tracker: CostTracker | None = None
         self.bandwidth = _DEFAULT_BANDWIDTH
@@ -103,6 +123,13 @@ class DynMoBalancer(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._bound = self._strategy(trainer)
+        if self.repack and self.min_world_size > trainer.world_size:
+            raise ValueError(
+                f"balancer.min_world_size={self.min_world_size} > the job's {trainer.world_size} processes: "
+                "lower it (or start more processes)"
+            )
+        if self.repack and self._bound.stages_per_rank != 1:
+            raise ValueError("balancer.repack needs one stage per rank (strategy.stages_per_rank=1)")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -185,6 +212,51 @@ class DynMoBalancer(Callback):
         }
         self.history.append(record)
         self._log(pl_module, strategy, record)
+        if self.repack and strategy.pp_size > self.min_world_size and self.method != "random":
+            self._consolidate(trainer, pl_module, strategy)
+
+    def _consolidate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: DynMoStrategy) -> None:
+        """Pack onto fewer processes when the cost model says the step time holds (released processes exit here)."""
+        assert self.tracker is not None
+        v = self.tracker.values
+        memory = capacity = None
+        if self.memory_capacity is not None:
+            memory, capacity = self.tracker.memory(self._inflight(strategy)), self.memory_capacity
+        plan = balance.plan_repack(
+            v["fwd"],
+            v["bwd"],
+            strategy.layers_per_stage,
+            n_microbatches=strategy.n_microbatches,
+            schedule="gpipe" if strategy.schedule == "gpipe" else "1f1b",
+            p2p=self.p2p_seconds,
+            tolerance=self.repack_tolerance,
+            min_stages=self.min_world_size,
+            layer_bytes=[p + o for p, o in zip(v["param_bytes"], v["optim_bytes"], strict=True)],
+            memory=memory,
+            capacity=capacity,
+        )
+        if plan is None:
+            return
+        world_before = strategy.pp_size
+        self.history.append(
+            {
+                "step": trainer.global_step,
+                "repack": plan.keep_ranks,
+                "proposed": plan.layers_per_stage,
+                "predicted_step_s": plan.step_time,
+                "current_step_s": plan.current_step_time,
+            }
+        )
+        stats = strategy.shrink(plan.keep_ranks, plan.layers_per_stage, on_release=self.on_release)
+        pl_module.log_dict(
+            {
+                "balancer/world_size": float(strategy.pp_size),
+                "balancer/released": float(world_before - strategy.pp_size),
+                "balancer/repack_ms": 1e3 * stats.seconds,
+            },
+            on_step=True,
+            on_epoch=False,
+        )
 
     def _plan(self, strategy: DynMoStrategy) -> tuple[list[int], dict[str, Any]]:
         """The partition ``method`` proposes for the current smoothed costs."""

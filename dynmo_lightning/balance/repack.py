@@ -1,0 +1,127 @@
+"""Repack planner: the fewest pipeline stages that keep the step time, and which ranks to keep.
+
+When dynamic techniques shrink the work (frozen layers cost only their forward, pruned layers shrink, exited tokens
+skip layers), the same step time can often be had on fewer workers: fewer stages also mean a shorter pipeline fill
+and drain (the cost model's ``sum + (M - 1) * max`` has fewer terms in the sum and fewer hops). :func:`plan_repack`
+finds the smallest stage count ``P'`` whose optimal split is predicted within ``tolerance`` of the current step time
+and fits in memory, and chooses which of the current ranks keep running so that the fewest bytes move.
+
+Rank choice: new stage ``s`` runs on kept rank ``r_s``, with ``r_0 = 0`` (rank 0 logs and checkpoints, it is never
+released) and ``r_0 < r_1 < ...`` (the kept ranks keep their order, so the new process group numbers them the same
+way). Among such monotone assignments a dynamic programme over (stage, rank) picks the one that leaves the most
+bytes where they are: ``kept[s][r]`` is the bytes of the new stage ``s``'s layers that rank ``r`` already holds, and
+``best[s][r] = kept[s][r] + max over r' < r of best[s - 1][r']``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from dynmo_lightning.balance.cost_model import stage_times, step_time
+from dynmo_lightning.balance.layout import validate_partition
+from dynmo_lightning.balance.optimal import InfeasibleMemoryError
+from dynmo_lightning.balance.partition import partition
+
+
+@dataclasses.dataclass(frozen=True)
+class RepackPlan:
+    """A consolidation: ``layers_per_stage`` on the current ranks ``keep_ranks`` (in order); the others go."""
+
+    layers_per_stage: list[int]
+    keep_ranks: list[int]
+    step_time: float
+    current_step_time: float
+    bytes_moved: float
+
+    @property
+    def n_stages(self) -> int:
+        """Stages after the repack."""
+        return len(self.layers_per_stage)
+
+
+def plan_repack(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    current: Sequence[int],
+    *,
+    n_microbatches: int,
+    schedule: str = "1f1b",
+    p2p: float = 0.0,
+    tolerance: float = 0.05,
+    min_stages: int = 1,
+    layer_bytes: Sequence[float] | None = None,
+    memory: Sequence[float] | None = None,
+    capacity: float | Sequence[float] | None = None,
+) -> RepackPlan | None:
+    """The smallest consolidation predicted within ``tolerance`` of the current step time, or ``None``.
+
+    Args:
+        fwd: forward time of each layer for one micro-batch.
+        bwd: backward time of each layer for one micro-batch.
+        current: layers per stage now (one stage per rank).
+        n_microbatches: micro-batches per step.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        p2p: one-hop transfer time.
+        tolerance: accepted relative slow-down, ``>= 0`` (0.05: at most 5 % slower).
+        min_stages: never plan fewer stages than this.
+        layer_bytes: bytes that move with each layer (parameters, optimizer state); 1 per layer when omitted.
+        memory: memory each layer needs on its stage (with ``capacity``); the new stages must fit.
+        capacity: memory a stage may hold (one number for every stage).
+
+    Returns:
+        The plan with the fewest stages (fewer than now), or ``None`` when no smaller pipeline is fast enough.
+
+    Raises:
+        ValueError: for a negative tolerance, ``min_stages < 1`` or an invalid current split.
+    """
+    if tolerance < 0:
+        raise ValueError(f"balancer.repack_tolerance={tolerance} must be >= 0")
+    if min_stages < 1:
+        raise ValueError(f"balancer.min_world_size={min_stages} must be >= 1")
+    n_layers = len(fwd)
+    current = validate_partition(current, n_layers)
+    if layer_bytes is None:
+        layer_bytes = [1.0] * n_layers
+    costs = [f + b for f, b in zip(fwd, bwd, strict=True)]
+    now = step_time(*stage_times(fwd, bwd, current), n_microbatches, schedule, p2p)
+    for n_stages in range(min_stages, len(current)):
+        try:
+            proposed = partition(costs, n_stages, method="optimal", memory=memory, capacity=capacity)
+        except InfeasibleMemoryError:
+            continue
+        predicted = step_time(*stage_times(fwd, bwd, proposed), n_microbatches, schedule, p2p)
+        if predicted <= (1 + tolerance) * now:
+            keep, moved = _keep_ranks(current, proposed, layer_bytes)
+            return RepackPlan(proposed, keep, predicted, now, moved)
+    return None
+
+
+def _keep_ranks(current: list[int], proposed: list[int], layer_bytes: Sequence[float]) -> tuple[list[int], float]:
+    """Monotone assignment of new stages to current ranks (stage 0 on rank 0) that moves the fewest bytes."""
+    owner = [r for r, n in enumerate(current) for _ in range(n)]
+    n_ranks, n_new = len(current), len(proposed)
+    kept = [[0.0] * n_ranks for _ in range(n_new)]
+    start = 0
+    for s, n in enumerate(proposed):
+        for i in range(start, start + n):
+            kept[s][owner[i]] += layer_bytes[i]
+        start += n
+    neg = float("-inf")
+    best = [[neg] * n_ranks for _ in range(n_new)]
+    came = [[-1] * n_ranks for _ in range(n_new)]
+    best[0][0] = kept[0][0]
+    for s in range(1, n_new):
+        run, arg = neg, -1
+        for r in range(1, n_ranks):
+            if best[s - 1][r - 1] > run:
+                run, arg = best[s - 1][r - 1], r - 1
+            if run > neg:
+                best[s][r], came[s][r] = run + kept[s][r], arg
+    r = max(range(n_ranks), key=lambda q: (best[-1][q], -q))
+    ranks = [r]
+    for s in range(n_new - 1, 0, -1):
+        r = came[s][r]
+        ranks.append(r)
+    ranks.reverse()
+    return ranks, float(sum(layer_bytes)) - best[-1][ranks[-1]]
