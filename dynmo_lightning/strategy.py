@@ -467,7 +467,8 @@ class DynMoStrategy(ParallelStrategy):
             # nothing to the metric's sums, and torchmetrics sums them over processes when it computes.
             metric = self._perplexity(prefix)
             if self.runtime.has_last_stage:
-                metric.update(result.output.float(), target)
+                logits = result.output[0] if isinstance(result.output, tuple) else result.output
+                metric.update(logits.float(), target)
             module.log(
                 f"{prefix}_ppl",
                 metric,

@@ -21,23 +21,32 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from dynmo_lightning.models.routing import DepthRouter, ExitGate, active_forward, routed_forward
 from dynmo_lightning.optim import index_select_
 from dynmo_lightning.protocol import PipelineModule, init_layer
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embedding: ``(B, T)`` token ids to ``(B, T, C)`` hidden states."""
+    """Token plus learned position embedding: ``(B, T)`` token ids to ``(B, T, C)`` hidden states.
 
-    def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float) -> None:
+    With ``carry=True`` (a model with dynamic structure) it starts the carried state ``(hidden, active, aux)``: all
+    tokens active, no auxiliary loss yet.
+    """
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float, carry: bool = False) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
+        self.carry = carry
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor) -> Tensor | tuple[Tensor, Tensor, Tensor]:
         """Embed token ids ``(B, T)``."""
         pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))
+        h = self.drop(self.wte(idx) + self.wpe(pos))
+        if not self.carry:
+            return h
+        return h, torch.ones(idx.shape, dtype=h.dtype, device=h.device), torch.zeros(idx.shape[0], device=h.device)
 
 
 class CausalSelfAttention(nn.Module):
@@ -167,32 +176,79 @@ def _resize(param: nn.Parameter, shape: tuple[int, ...]) -> None:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
+    """Pre-norm transformer block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``.
 
-    def __init__(self, n_embd: int, n_head: int, mlp_hidden: int, dropout: float, bias: bool) -> None:
+    Takes plain hidden states ``(B, T, C)``, or — in a model with dynamic structure — the carried state
+    ``(hidden, active, aux)``: the active-token mask of early exit (``(B, T)``, 1/0) and each sample's share of the
+    auxiliary losses so far (``(B,)``; MoE and Mixture-of-Depths add to it). Optional parts, all layer state:
+    ``exit_gate`` (token early exit), ``depth_router`` (Mixture of Depths); ``attn`` may be sparse and ``mlp`` a
+    Mixture of Experts (its forward then returns ``(output, aux_loss)``).
+    """
+
+    def __init__(
+        self,
+        n_embd: int,
+        n_head: int,
+        mlp_hidden: int,
+        dropout: float,
+        bias: bool,
+        *,
+        attn: nn.Module | None = None,
+        mlp: nn.Module | None = None,
+        early_exit: bool = False,
+        mod_capacity: float | None = None,
+    ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd, bias=bias)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.attn = attn if attn is not None else CausalSelfAttention(n_embd, n_head, dropout, bias)
         self.ln2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = MLP(n_embd, mlp_hidden, dropout, bias)
+        self.mlp = mlp if mlp is not None else MLP(n_embd, mlp_hidden, dropout, bias)
+        self.exit_gate = ExitGate() if early_exit else None
+        self.depth_router = DepthRouter(n_embd, mod_capacity) if mod_capacity is not None else None
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Apply the block to hidden states ``(B, T, C)``."""
+    def _mlp(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        out = self.mlp(x)
+        return out if isinstance(out, tuple) else (out, None)
+
+    def _dense(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        m, aux = self._mlp(self.ln2(x))
+        return x + m, aux
+
+    def forward(
+        self, h: Tensor, active: Tensor | None = None, aux: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+        """Apply the block to hidden states ``(B, T, C)``, or to the carried state ``(hidden, active, aux)``."""
+        if active is None or aux is None:
+            return self._dense(h)[0]
+        if self.depth_router is not None:
+            y, extra = routed_forward(self, self.depth_router, h, self._dense)
+        elif self.exit_gate is not None and not bool((active > 0).all()):
+            y, extra = active_forward(self, h, active, self._mlp)
+        else:
+            y, extra = self._dense(h)
+        if self.exit_gate is not None:
+            active = self.exit_gate(h, y, active)
+        if extra is not None:
+            # Each sample carries an equal share, so the sum over a micro-batch is the block's auxiliary loss.
+            aux = aux + extra / h.shape[0]
+        return y, active, aux
 
 
 class Head(nn.Module):
-    """Final layer norm and projection to vocabulary logits."""
+    """Final layer norm and projection to vocabulary logits (plus the carried auxiliary loss, if any)."""
 
     def __init__(self, n_embd: int, vocab_size: int, bias: bool) -> None:
         super().__init__()
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Logits ``(B, T, V)``."""
-        return self.lm_head(self.ln_f(x))
+    def forward(
+        self, h: Tensor, active: Tensor | None = None, aux: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Logits ``(B, T, V)``, or ``(logits, aux)`` for a carried state."""
+        logits = self.lm_head(self.ln_f(h))
+        return logits if aux is None else (logits, aux)
 
 
 class GPT(PipelineModule):
@@ -235,13 +291,23 @@ class GPT(PipelineModule):
         lr_decay_steps: int | None = None,
         min_lr_ratio: float = 0.1,
         init_seed: int = 0,
+        early_exit: bool = False,
+        mod_every: int = 0,
+        mod_capacity: float = 0.125,
+        n_experts: int = 1,
+        moe_every: int = 2,
+        moe_top_k: int = 1,
+        moe_capacity_factor: float | None = 1.25,
+        moe_aux_coef: float = 0.01,
+        moe_z_coef: float = 1e-3,
+        attention: str = "dense",
+        attn_block: int = 64,
+        attn_density: float = 1.0,
+        attn_target_coverage: float | None = None,
     ) -> None:
         super().__init__()
-        if n_layer < 1:
-            raise ValueError(f"model.n_layer={n_layer}: a GPT needs at least one block")
-        if isinstance(mlp_ratio, (list, tuple)) and len(mlp_ratio) != n_layer:
-            raise ValueError(f"model.mlp_ratio has {len(mlp_ratio)} entries for n_layer={n_layer} blocks")
         self.save_hyperparameters()
+        self._check_hparams()
         self.pipeline_init_seed = init_seed
         self.embed: Embedding | None = None
         self.blocks: nn.ModuleList | None = None
@@ -252,13 +318,107 @@ class GPT(PipelineModule):
         if self.blocks is not None:
             return
         hp = self.hparams
-        self.embed = Embedding(hp.vocab_size, hp.block_size, hp.n_embd, hp.dropout)
+        self.embed = Embedding(hp.vocab_size, hp.block_size, hp.n_embd, hp.dropout, carry=self.carries_state)
         ratios = hp.mlp_ratio if isinstance(hp.mlp_ratio, (list, tuple)) else [hp.mlp_ratio] * hp.n_layer
-        self.blocks = nn.ModuleList(Block(hp.n_embd, hp.n_head, r * hp.n_embd, hp.dropout, hp.bias) for r in ratios)
+        self.blocks = nn.ModuleList(self._block(i, r * hp.n_embd) for i, r in enumerate(ratios))
         self.head = Head(hp.n_embd, hp.vocab_size, hp.bias)
         for i, layer in enumerate(self.pipeline_layers()):
             if not any(p.is_meta for p in layer.parameters()):
                 init_layer(self, i, layer, self.pipeline_init_seed)
+
+    def _check_hparams(self) -> None:
+        hp = self.hparams
+        if hp.n_layer < 1:
+            raise ValueError(f"model.n_layer={hp.n_layer}: a GPT needs at least one block")
+        if isinstance(hp.mlp_ratio, (list, tuple)) and len(hp.mlp_ratio) != hp.n_layer:
+            raise ValueError(f"model.mlp_ratio has {len(hp.mlp_ratio)} entries for n_layer={hp.n_layer} blocks")
+        if hp.attention not in ("dense", "sparse"):
+            raise ValueError(f"model.attention={hp.attention!r} must be 'dense' or 'sparse'")
+        if hp.mod_every < 0 or hp.moe_every < 1:
+            raise ValueError(f"model.mod_every={hp.mod_every} must be >= 0 and model.moe_every={hp.moe_every} >= 1")
+        if not 0.0 < hp.mod_capacity <= 1.0:
+            raise ValueError(f"model.mod_capacity={hp.mod_capacity} must be in (0, 1]")
+        if hp.n_experts > 1 and not 1 <= hp.moe_top_k <= hp.n_experts:
+            raise ValueError(f"model.moe_top_k={hp.moe_top_k} must be between 1 and model.n_experts={hp.n_experts}")
+        if hp.moe_capacity_factor is not None and hp.moe_capacity_factor <= 0:
+            raise ValueError(f"model.moe_capacity_factor={hp.moe_capacity_factor} must be > 0 (or null: dropless)")
+        if hp.attention == "sparse" and hp.block_size > hp.attn_block and hp.block_size % hp.attn_block:
+            raise ValueError(
+                f"sequence length model.block_size={hp.block_size} is not a multiple of model.attn_block="
+                f"{hp.attn_block}: choose an attention block size that divides it"
+            )
+
+    def configure_dynamics(self, **options: Any) -> None:
+        """Switch on dynamic structure before the layers are built (how the dynamics callbacks enable it).
+
+        Args:
+            **options: any of the constructor's dynamic arguments (``early_exit``, ``mod_every``, ``n_experts``,
+                ``attention``, ...).
+
+        Raises:
+            RuntimeError: the layers already exist (pass the options to the constructor instead).
+            ValueError: an unknown option or a bad value.
+        """
+        unknown = set(options) - _DYNAMIC_OPTIONS
+        if unknown:
+            raise ValueError(f"unknown dynamic options {sorted(unknown)}; valid: {sorted(_DYNAMIC_OPTIONS)}")
+        changed = {k: v for k, v in options.items() if self.hparams[k] != v}
+        if not changed:
+            return
+        if self.blocks is not None:
+            raise RuntimeError(
+                f"the GPT's layers are already built, so {sorted(changed)} cannot change; give them to GPT(...)"
+            )
+        self.hparams.update(changed)
+        self._check_hparams()
+
+    @property
+    def carries_state(self) -> bool:
+        """Whether activations carry ``(hidden, active, aux)`` between layers (some block needs it)."""
+        hp = self.hparams
+        return bool(hp.early_exit or hp.mod_every or hp.n_experts > 1)
+
+    def _block(self, i: int, hidden: int) -> Block:
+        # Imported here: both modules build on this file's MLP / attention.
+        from dynmo_lightning.models.moe import MoEMLP
+        from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention
+
+        hp = self.hparams
+        attn = mlp = None
+        if hp.attention == "sparse":
+            attn = SparseCausalSelfAttention(
+                hp.n_embd,
+                hp.n_head,
+                hp.dropout,
+                hp.bias,
+                attn_block=hp.attn_block,
+                density=hp.attn_density,
+                target_coverage=hp.attn_target_coverage,
+            )
+        if hp.n_experts > 1 and (i + 1) % hp.moe_every == 0:
+            mlp = MoEMLP(
+                hp.n_embd,
+                hidden,
+                hp.n_experts,
+                top_k=hp.moe_top_k,
+                capacity_factor=hp.moe_capacity_factor,
+                aux_loss_coef=hp.moe_aux_coef,
+                z_loss_coef=hp.moe_z_coef,
+                dropout=hp.dropout,
+                bias=hp.bias,
+            )
+        routed = hp.mod_every and (i + 1) % hp.mod_every == 0
+        return Block(
+            hp.n_embd,
+            hp.n_head,
+            hidden,
+            hp.dropout,
+            hp.bias,
+            attn=attn,
+            mlp=mlp,
+            early_exit=hp.early_exit,
+            mod_capacity=hp.mod_capacity if routed else None,
+        )
 
     # ----------------------------------------------------------------------------------------------------------------
     # Pipeline protocol
@@ -269,9 +429,11 @@ class GPT(PipelineModule):
             self.configure_model()
         return [self.embed, *self.blocks, self.head]
 
-    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        """Mean next-token cross-entropy of one micro-batch."""
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+    def pipeline_loss(self, output: Tensor | tuple[Tensor, Tensor], target: Tensor) -> Tensor:
+        """Mean next-token cross-entropy of one micro-batch, plus the carried auxiliary losses (MoE, MoD)."""
+        logits, aux = output if isinstance(output, tuple) else (output, None)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        return loss if aux is None else loss + aux.sum()
 
     def pipeline_init_layer(self, index: int, layer: nn.Module) -> None:
         """GPT-2 initialisation; residual projections are scaled down by ``1/sqrt(2 * n_layer)``."""
@@ -285,6 +447,11 @@ class GPT(PipelineModule):
                 nn.init.ones_(p)
             else:
                 nn.init.zeros_(p)
+        # Buffers of dynamic parts (thresholds, capacities, densities) start from their configured values.
+        for module in layer.modules():
+            reset = getattr(module, "reset_buffers", None)
+            if callable(reset):
+                reset()
 
     def configure_optimizers(self) -> Any:
         """AdamW with two groups (matrices decayed; biases, norms, embeddings not) and optional warm-up/cosine.
@@ -311,6 +478,24 @@ class GPT(PipelineModule):
             optimizer, _WarmupCosine(hp.warmup_steps, hp.lr_decay_steps, hp.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+#: Constructor arguments that shape dynamic structure (see :meth:`GPT.configure_dynamics`).
+_DYNAMIC_OPTIONS = {
+    "early_exit",
+    "mod_every",
+    "mod_capacity",
+    "n_experts",
+    "moe_every",
+    "moe_top_k",
+    "moe_capacity_factor",
+    "moe_aux_coef",
+    "moe_z_coef",
+    "attention",
+    "attn_block",
+    "attn_density",
+    "attn_target_coverage",
+}
 
 
 class _WarmupCosine:

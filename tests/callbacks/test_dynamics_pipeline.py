@@ -4,6 +4,8 @@ pruned layers around, and the default `dynamics=...` configs visibly act within 
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 import torch
 from _helpers import assert_close_losses, assert_close_params, launch
@@ -13,6 +15,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = ["trainer.max_steps=40"]
 FREEZE = ["dynamics=freezing", "dynamics.start_step=10", "dynamics.check_every_n_steps=10", "dynamics.percentile=90"]
 PRUNE = ["dynamics=pruning", "dynamics.start_step=5", "dynamics.end_step=30", "dynamics.every_n_steps=5"]
+EXIT = ["dynamics=early_exit", "dynamics.warmup_steps=5", "dynamics.ramp_steps=5", "dynamics.threshold=0.6"]
+MOD = ["dynamics=mod", "dynamics.start_step=5", "dynamics.anneal_steps=10", "dynamics.capacity=0.25"]
+MOE = ["dynamics=moe", "dynamics.n_experts=4", "dynamics.capacity_factor=1.0"]
+SPARSE = ["dynamics=sparse_attention", "dynamics.attn_block=8", "dynamics.target_coverage=0.8"]
 RANDOM = ["balancer=optimal", "balancer.method=random", "balancer.every_n_steps=3", "balancer.warmup_steps=0"]
 BALANCE = ["balancer=optimal", "balancer.every_n_steps=25", "balancer.min_gain=0.0"]
 
@@ -20,20 +26,36 @@ BALANCE = ["balancer=optimal", "balancer.every_n_steps=25", "balancer.min_gain=0
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("dynamics")
-    out = launch(1, {d / "freeze1": [*STEPS, *FREEZE], d / "prune1": [*STEPS, *PRUNE]})
-    out |= launch(
-        2,
-        {
-            d / "freeze2": [*STEPS, *FREEZE, *RANDOM],
-            d / "prune2": [*STEPS, *PRUNE, *RANDOM],
-            d / "freeze-default": ["trainer.max_steps=200", "dynamics=freezing", *BALANCE],
-            d / "prune-default": ["trainer.max_steps=200", "dynamics=pruning", *BALANCE],
-        },
-    )
+    one = {
+        "freeze1": FREEZE,
+        "prune1": PRUNE,
+        "exit1": EXIT,
+        "mod1": MOD,
+        "moe1": MOE,
+        "sparse1": SPARSE,
+        "moe1-noaux": [*MOE, "dynamics.aux_loss_coef=0", "dynamics.z_loss_coef=0"],
+    }
+    out = launch(1, {d / name: [*STEPS, *dynamic] for name, dynamic in one.items()})
+    csv_log = ["logger.csv=true", "trainer.log_every_n_steps=10"]
+    two = {
+        "freeze2": [*STEPS, *FREEZE, *RANDOM],
+        "prune2": [*STEPS, *PRUNE, *RANDOM],
+        "exit2": [*STEPS, *EXIT, *RANDOM],
+        "mod2": [*STEPS, *MOD, *RANDOM],
+        "moe2": [*STEPS, *MOE, *RANDOM],
+        "sparse2": [*STEPS, *SPARSE, *RANDOM],
+        "freeze-default": ["trainer.max_steps=200", "dynamics=freezing", *BALANCE],
+        "prune-default": ["trainer.max_steps=200", "dynamics=pruning", *BALANCE],
+        "exit-default": ["trainer.max_steps=200", "dynamics=early_exit", *BALANCE, *csv_log],
+        "mod-default": ["trainer.max_steps=200", "dynamics=mod", *BALANCE, *csv_log],
+        "moe-default": ["trainer.max_steps=200", "dynamics=moe", *BALANCE, *csv_log],
+        "sparse-default": ["trainer.max_steps=200", "dynamics=sparse_attention", *BALANCE, *csv_log],
+    }
+    out |= launch(2, {d / name: overrides for name, overrides in two.items()})
     return {path.name: run for path, run in out.items()}
 
 
-@pytest.mark.parametrize("name", ["freeze", "prune"])
+@pytest.mark.parametrize("name", ["freeze", "prune", "exit", "mod", "moe", "sparse"])
 def test_dynamics_with_migrations_equal_one_process(runs, name):
     ref, run = runs[f"{name}1"], runs[f"{name}2"]
     assert len(run.summary["partitions"]) >= 5  # layers (frozen / pruned ones too) moved many times
@@ -79,3 +101,41 @@ def test_default_configs_act_within_200_steps_and_the_balancer_sees_it(runs, nam
         assert sum(widths) == 4 * 4 * 32 // 2
     assert run.summary["losses"][-1] < run.summary["losses"][0] - 1.0
     assert torch.isfinite(torch.tensor(run.summary["losses"])).all()
+
+
+def _last_logged(run, key: str) -> float:
+    with open(run.run_dir / "csv" / "metrics.csv") as f:
+        values = [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
+    return values[-1]
+
+
+def test_early_exit_and_mod_defaults_act_within_200_steps(runs):
+    exit_run, mod_run = runs["exit-default"], runs["mod-default"]
+    assert _last_logged(exit_run, "dynamics/active_frac") < 1.0  # tokens exit by the end of the run
+    thresholds = [v for k, v in exit_run.checkpoint["state_dict"].items() if k.endswith("exit_gate.threshold")]
+    assert thresholds and all(float(t) == pytest.approx(0.9) for t in thresholds)
+    assert _last_logged(mod_run, "dynamics/capacity") == pytest.approx(0.125)
+    assert _last_logged(mod_run, "dynamics/routed_frac_block2") == pytest.approx(0.125, abs=0.02)
+    for run in (exit_run, mod_run):
+        assert len(run.checkpoint["callbacks"]["DynMoBalancer"]["history"]) == 8
+        assert run.summary["losses"][-1] < run.summary["losses"][0] - 1.0
+
+
+def test_moe_aux_loss_crosses_stages_and_reaches_first_stage_routers(runs):
+    with_aux, without_aux = runs["moe1"].summary["losses"], runs["moe1-noaux"].summary["losses"]
+    assert with_aux[0] != without_aux[0]  # the auxiliary losses are part of the training loss
+    # ... and the P=2 pipeline (layers moving between the stages every 3 steps) reproduces it exactly, routers on
+    # the first stage included: their gradients came back through the stage boundary with the carried loss
+    ref, run = runs["moe1"].checkpoint["state_dict"], runs["moe2"].checkpoint["state_dict"]
+    routers = [k for k in ref if k.endswith("mlp.router.weight")]
+    assert routers and all(torch.equal(ref[k], run[k]) for k in routers)
+
+
+def test_moe_and_sparse_attention_defaults_act_within_200_steps(runs):
+    moe, sparse = runs["moe-default"], runs["sparse-default"]
+    assert _last_logged(moe, "dynamics/moe_max_load_layer2") > 0.25  # routing is uneven (4 experts)
+    densities = [float(v) for k, v in sparse.checkpoint["state_dict"].items() if k.endswith("attn.density")]
+    assert densities and min(densities) < 1.0  # densities adapted away from dense
+    for run in (moe, sparse):
+        assert len(run.checkpoint["callbacks"]["DynMoBalancer"]["history"]) == 8
+        assert run.summary["val_loss"] < run.summary["losses"][0] - 1.0

@@ -1,0 +1,167 @@
+"""Token routing inside a transformer block: token early exit and Mixture of Depths, with real compute savings.
+
+Both keep the block's *interface* fixed — hidden states ``(B, T, C)`` in and out — so activations between pipeline
+stages keep a static shape, and change only how many tokens the block computes on:
+
+* **Early exit** (:class:`ExitGate`, :func:`active_forward`): a token whose representation has saturated (the cosine
+  similarity between its state entering and leaving a block reaches the gate's threshold) stops being processed. Its
+  exit-time state flows on unchanged (later tokens still attend to it, the head scores it). Later blocks compute the
+  attention *queries* and the MLP only for active tokens (gather, compute, scatter); keys and values are computed for
+  all tokens, since active tokens attend to exited ones.
+* **Mixture of Depths** (:class:`DepthRouter`, :func:`routed_forward`): each sequence sends only its top-k tokens by
+  router score (``k = ceil(capacity * T)``) through the block; the others skip it through the residual. The routed
+  tokens form a shorter sequence (in position order, causal among themselves). The block's contribution is multiplied
+  by ``w = sigmoid(r) / stopgrad(sigmoid(r))`` — exactly 1 in value, the router weight's gradient in backward — so the
+  router learns which tokens profit from the block, and at capacity 1 the block is *exactly* the dense block.
+  Top-k over a sequence looks ahead, so for causal generation an auxiliary predictor (a linear probe on stop-gradient
+  inputs, trained with BCE to predict top-k membership) decides routing without looking ahead; training and
+  validation here use the top-k (the predictor's loss joins the auxiliary loss), as in Raposo et al. (2024).
+
+Gates and routers are submodules of their block, so thresholds, capacities and router weights are layer state: they
+migrate and checkpoint with the block. Statistics are not updated during shape probes (:func:`is_probing`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dynmo_lightning.protocol import is_probing
+
+
+class ExitGate(nn.Module):
+    """Decides after a block which active tokens exit (hidden-state saturation criterion).
+
+    ``threshold`` is a buffer (checkpointed, migrates); above 1 nothing can exit. ``may_exit`` says whether exits are
+    allowed after this block at all (``min_layers`` / ``exit_every`` of the callback). ``exited`` / ``processed``
+    accumulate token counts for the exit histogram until the callback reads and resets them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("threshold", torch.tensor(2.0))
+        self.may_exit = False
+        self.exited = 0
+        self.processed = 0
+
+    def reset_buffers(self) -> None:
+        """No exits until a schedule sets a threshold (also after materialisation from the meta device)."""
+        self.threshold.fill_(2.0)
+
+    def forward(self, before: Tensor, after: Tensor, active: Tensor) -> Tensor:
+        """The new active mask (float 1/0, ``(B, T)``) after a block turned ``before`` into ``after``."""
+        if not self.may_exit or float(self.threshold) > 1.0:
+            return active
+        with torch.no_grad():
+            saturated = F.cosine_similarity(before, after, dim=-1) >= self.threshold
+            leaving = saturated & (active > 0)
+            if not is_probing():
+                self.exited += int(leaving.sum())
+                self.processed += int((active > 0).sum())
+            return active * (~leaving).to(active.dtype)
+
+
+class DepthRouter(nn.Module):
+    """Mixture-of-Depths router of one block: scores tokens and keeps the top ``capacity`` fraction.
+
+    Args:
+        n_embd: hidden size.
+        capacity: fraction of each sequence's tokens the block processes (a buffer; schedules anneal it).
+        predictor_coef: weight of the causal predictor's BCE loss in the auxiliary loss.
+    """
+
+    def __init__(self, n_embd: int, capacity: float = 0.125, predictor_coef: float = 0.01) -> None:
+        super().__init__()
+        self.router = nn.Linear(n_embd, 1, bias=False)
+        self.predictor = nn.Linear(n_embd, 1)
+        self.initial_capacity = float(capacity)
+        self.register_buffer("capacity", torch.tensor(float(capacity)))
+        self.predictor_coef = predictor_coef
+        self.routed = 0
+        self.seen = 0
+
+    def reset_buffers(self) -> None:
+        """Start from the configured capacity (also after materialisation from the meta device)."""
+        self.capacity.fill_(self.initial_capacity)
+
+    def k(self, seq_len: int) -> int:
+        """Tokens per sequence the block processes."""
+        return max(1, min(seq_len, math.ceil(float(self.capacity) * seq_len)))
+
+
+def attend_queries(attn: nn.Module, x: Tensor, pos: Tensor) -> Tensor:
+    """Causal self-attention outputs of the query positions ``pos`` ``(B, A)`` only; keys/values from all of ``x``.
+
+    ``attn`` is the block's attention module (``qkv``, ``proj``, ``n_head``, ``head_dim``); the result is
+    ``(B, A, C)``, the attention branch of the queried tokens (after the output projection).
+    """
+    B, T, _ = x.shape
+    H, D = attn.n_head, attn.head_dim
+    w, b = attn.qkv.weight, attn.qkv.bias
+    xq = x.gather(1, pos[..., None].expand(-1, -1, x.shape[-1]))
+    q = F.linear(xq, w[: H * D], None if b is None else b[: H * D])
+    kv = F.linear(x, w[H * D :], None if b is None else b[H * D :])
+    q = q.view(B, -1, H, D).transpose(1, 2)
+    k, v = kv.view(B, T, 2, H, D).permute(2, 0, 3, 1, 4)
+    mask = torch.arange(T, device=x.device)[None, None, None, :] <= pos[:, None, :, None]
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return attn.proj(y.transpose(1, 2).reshape(B, -1, H * D))
+
+
+def active_forward(
+    block: nn.Module, h: Tensor, active: Tensor, mlp: Callable[[Tensor], tuple[Tensor, Tensor | None]]
+) -> tuple[Tensor, Tensor | None]:
+    """Run ``block`` on its active tokens only (``active`` ``(B, T)`` float 1/0); exited tokens pass unchanged.
+
+    Returns the new hidden states and the MLP's auxiliary loss (MoE), if any. Cost falls with the largest number of
+    active tokens in any sequence of the batch (sequences are padded to it).
+    """
+    C = h.shape[-1]
+    mask = active > 0
+    counts = mask.sum(1)
+    A = int(counts.max())
+    if A == 0:
+        return h, None
+    # Active positions first (in order), padded with inactive ones whose results are discarded.
+    pos = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :A]
+    valid = torch.arange(A, device=h.device)[None, :] < counts[:, None]
+    index = pos[..., None].expand(-1, -1, C)
+    x = h.gather(1, index) + attend_queries(block.attn, block.ln1(h), pos)
+    flat = x[valid]
+    delta, aux = mlp(block.ln2(flat))
+    x = x.masked_scatter(valid[..., None], flat + delta)
+    x = torch.where(valid[..., None], x, h.gather(1, index))
+    return h.scatter(1, index, x), aux
+
+
+def routed_forward(
+    block: nn.Module, router: DepthRouter, h: Tensor, dense: Callable[[Tensor], tuple[Tensor, Tensor | None]]
+) -> tuple[Tensor, Tensor | None]:
+    """Mixture of Depths: ``dense`` (the block's own computation) on each sequence's top-k tokens only.
+
+    Returns the new hidden states and the auxiliary loss (the block's own, plus the causal predictor's BCE).
+    """
+    B, T, C = h.shape
+    if float(router.capacity) >= 1.0:
+        return dense(h)  # every token routed: exactly the dense block
+    # Below capacity 1 the router and its predictor always join the loss (even if k rounds up to T), so whether the
+    # carried auxiliary loss needs gradients depends on the capacity alone — stage metadata stays valid.
+    k = router.k(T)
+    logits = router.router(h).squeeze(-1)
+    top = logits.topk(k, dim=1).indices.sort(dim=1).values
+    index = top[..., None].expand(-1, -1, C)
+    x = h.gather(1, index)
+    y, aux = dense(x)
+    s = torch.sigmoid(logits.gather(1, top))
+    out = x + (y - x) * (s / s.detach())[..., None]
+    target = torch.zeros_like(logits).scatter(1, top, 1.0)
+    bce = F.binary_cross_entropy_with_logits(router.predictor(h.detach()).squeeze(-1), target)
+    if not is_probing():
+        router.routed += B * k
+        router.seen += B * T
+    aux = router.predictor_coef * bce if aux is None else aux + router.predictor_coef * bce
+    return h.scatter(1, index, out), aux

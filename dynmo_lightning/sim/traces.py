@@ -1,0 +1,101 @@
+"""Cost traces: per-step, per-layer costs as the runtime profiler writes them to ``costs.jsonl``.
+
+One JSON object per line and step: ``{"step": int, "fwd": [...], "bwd": [...], "param_bytes": [...]}``, with
+``param_bytes`` (and further per-layer fields such as ``optim_bytes``) optional. Forward and backward times are per
+micro-batch, one entry per layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dynmo_lightning.balance._validation import as_values
+
+Trace = list[dict[str, Any]]
+
+
+def check_trace(trace: Iterable[Mapping[str, Any]]) -> Trace:
+    """Validate a trace and normalise it to plain dictionaries of float lists.
+
+    Args:
+        trace: steps in order; each needs ``fwd`` and ``bwd`` lists of one length shared by all steps; ``step``
+            defaults to the position in the trace; other per-layer lists (``param_bytes``, ``optim_bytes``) must
+            have that length too.
+
+    Returns:
+        The steps as new dictionaries (``step`` an ``int``, per-layer fields lists of ``float``).
+
+    Raises:
+        ValueError: for an empty trace, a missing ``fwd``/``bwd``, negative or non-finite entries, or lengths that
+            differ between fields or steps.
+    """
+    steps: Trace = []
+    n_layers = None
+    for index, entry in enumerate(trace):
+        missing = {"fwd", "bwd"} - set(entry)
+        if missing:
+            raise ValueError(f"trace step {index} lacks {sorted(missing)}: every step needs 'fwd' and 'bwd' lists")
+        out: dict[str, Any] = {"step": int(entry.get("step", index))}
+        for key, value in entry.items():
+            if key == "step":
+                continue
+            if not isinstance(value, (Sequence, np.ndarray)) or isinstance(value, str):
+                out[key] = value  # per-step scalars (loss, world size, ...) ride along untouched
+                continue
+            values = as_values(value, f"trace step {index} {key}").tolist()
+            if not values:
+                raise ValueError(f"trace step {index} has no '{key}' entries: give one entry per layer")
+            if n_layers is None:
+                n_layers = len(values)
+            if len(values) != n_layers:
+                raise ValueError(
+                    f"trace step {index} has {len(values)} '{key}' entries but {n_layers} layers: "
+                    "give one entry per layer in every per-layer field and step"
+                )
+            out[key] = values
+        steps.append(out)
+    if not steps:
+        raise ValueError("the trace has no steps: give at least one step")
+    return steps
+
+
+def load_trace(path: str | os.PathLike[str]) -> Trace:
+    """Read a ``costs.jsonl`` trace (blank lines are skipped).
+
+    Args:
+        path: the file.
+
+    Returns:
+        The validated steps (see :func:`check_trace`).
+
+    Raises:
+        ValueError: for a line that is not a JSON object, or as :func:`check_trace`.
+    """
+    steps = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            entry = json.loads(line)
+            if not isinstance(entry, dict):
+                raise ValueError(f"{path}:{number} is not a JSON object")
+            steps.append(entry)
+    return check_trace(steps)
+
+
+def save_trace(trace: Iterable[Mapping[str, Any]], path: str | os.PathLike[str]) -> None:
+    """Write a trace as ``costs.jsonl``, one step per line.
+
+    Args:
+        trace: the steps (validated first, see :func:`check_trace`).
+        path: the file to (over)write.
+    """
+    steps = check_trace(trace)
+    with open(path, "w", encoding="utf-8") as handle:
+        for entry in steps:
+            handle.write(json.dumps(entry) + "\n")
