@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf, read_write
 
 import dynmo_lightning  # noqa: F401  (registers strategy="dynmo")
-from dynmo_lightning.callbacks import RunSummary
+from dynmo_lightning.callbacks import CostTrace, RunSummary
 
 #: Environment variables Lightning's process launcher sets for the ranks it starts.
 _LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -48,10 +48,12 @@ def _pin_multirun_job() -> None:
 
 
 def build_callbacks(cfg: DictConfig) -> list[Any]:
-    """The callbacks a config asks for: the dynamic technique, then the balancer (which reacts to it)."""
-    return [
-        instantiate(cfg[group], _convert_="all") for group in ("dynamics", "balancer") if cfg[group].get("_target_")
-    ]
+    """The callbacks a config asks for: the dynamic technique, the balancer (which reacts to it), the cost trace."""
+    groups = ("dynamics", "balancer")
+    callbacks = [instantiate(cfg[group], _convert_="all") for group in groups if cfg[group].get("_target_")]
+    if cfg.profile.trace:
+        callbacks.append(CostTrace(f"{cfg.run_dir}/costs.jsonl", every_n_steps=cfg.profile.every_n_steps))
+    return callbacks
 
 
 def build_trainer(cfg: DictConfig, callbacks: list[Any] | None = None) -> L.Trainer:

@@ -160,6 +160,7 @@ class DynMoStrategy(ParallelStrategy):
         self._pending_grads: list[tuple[Tensor, Tensor]] = []
         self._eval_metrics: dict[str, Any] = {}
         self._control: dist.TCPStore | None = None
+        self._profiled: dict[int, dict[str, float]] | None = None
         #: ``[{"step", "layers_per_stage"}]``: the initial partition and every change.
         self.partitions: list[dict[str, Any]] = []
 
@@ -545,6 +546,23 @@ class DynMoStrategy(ParallelStrategy):
         """Number of pipeline layers of the model."""
         assert self._slots is not None
         return self._slots.n_layers
+
+    def request_profile(self) -> None:
+        """Profile the coming training step (callbacks call this in ``on_train_batch_start``; several may)."""
+        assert self.runtime is not None
+        if not self.runtime.profiler.active:
+            self.runtime.profiler.start()
+            self._profiled = None
+
+    def profile_results(self) -> dict[int, dict[str, float]] | None:
+        """Every layer's measured costs of the step just profiled (collective), or ``None`` if it was not profiled.
+
+        The first caller after the step stops the profiler and gathers; later callers get the same result.
+        """
+        assert self.runtime is not None
+        if self.runtime.profiler.active:
+            self._profiled = self.gather_costs(self.runtime.profiler.stop())
+        return self._profiled
 
     def gather_costs(self, local: dict[int, LayerCost]) -> dict[int, dict[str, float]]:
         """Share this process's measured layer costs and memory with all stages; returns every layer's.

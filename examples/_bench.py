@@ -7,13 +7,12 @@ Benchmarks run under ``torchrun`` so that every Trainer of an invocation reuses 
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import lightning.pytorch as L
 
 from dynmo_lightning import DynMoStrategy
-from dynmo_lightning.balance import partition, stage_times, step_time
+from dynmo_lightning.bench import StepTimer
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
 
@@ -21,21 +20,6 @@ from dynmo_lightning.models import GPT
 def world_size() -> int:
     """Processes of this torchrun job (known before the first Trainer initialises the process group)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-class StepTimer(L.Callback):
-    """Wall time of the training steps from ``start_step`` on (all ranks advance in lockstep)."""
-
-    def __init__(self, start_step: int) -> None:
-        self.start_step, self.t0, self.steps, self.seconds = start_step, 0.0, 0, 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.start_step:
-            self.t0 = time.perf_counter()
-
-    def on_train_end(self, trainer, pl_module):
-        self.seconds = time.perf_counter() - self.t0
-        self.steps = trainer.global_step - self.start_step
 
 
 def fit(
@@ -66,14 +50,3 @@ def fit(
     datamodule = StdlibCharDataModule(max_bytes=2_000_000, **data)
     trainer.fit(GPT(**model), datamodule=datamodule)
     return trainer, timer.steps * datamodule.tokens_per_batch / timer.seconds
-
-
-def ideal_speedup(values: dict[str, list[float]], static: list[int], n_stages: int, microbatches: int) -> float:
-    """Step time of ``static`` over the optimal split's, predicted by the 1F1B cost model from measured costs."""
-    costs = [f + b for f, b in zip(values["fwd"], values["bwd"], strict=True)]
-    best = partition(costs, n_stages, method="optimal")
-
-    def predicted(split: list[int]) -> float:
-        return step_time(*stage_times(values["fwd"], values["bwd"], split), microbatches, "1f1b")
-
-    return predicted(static) / predicted(best)

@@ -17,10 +17,11 @@ import time
 import lightning.pytorch as L
 import torch
 import torch.distributed as dist
-from _bench import fit, ideal_speedup
+from _bench import fit
 
 from dynmo_lightning import DynMoBalancer
 from dynmo_lightning.balance import diffuse, partition
+from dynmo_lightning.bench import ideal_ratio
 
 RATIOS = [16, 16, 8, 4, 1, 1, 1, 1]
 
@@ -109,8 +110,7 @@ def main() -> None:
         trainer, tps = run(args, [balancer])
         results["balanced"].append(tps)
         results["profiled_static"].append(run(args, [AlwaysProfile()])[1])
-        static = partition([1.0] * len(balancer.tracker.compute), 2, method="uniform")
-        ideal = ideal_speedup(balancer.tracker.values, static, 2, args.microbatches)
+        ideal = ideal_ratio(balancer.tracker.values, 2, args.microbatches)
         partitions = trainer.strategy.partitions
     mean = {k: sum(v) / len(v) for k, v in results.items()}
     overhead = 100 * (mean["static"] / mean["profiled_static"] - 1)

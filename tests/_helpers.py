@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dynmo_lightning.pipeline.groups import free_port
+from dynmo_lightning.launch import run_ranks
 
 #: A gpt_tiny small enough that a 20-step run of 4 processes takes seconds on 2 cores.
 TINY = [
@@ -47,49 +45,10 @@ class CliRun:
         return torch.load(self.run_dir / "checkpoints" / "final.ckpt", map_location="cpu", weights_only=False)
 
 
-#: Variables Lightning's launcher and cluster environments export; a test must not leak them into another.
-DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK")
-
-
-def clean_env() -> dict[str, str]:
-    """The test process's environment without distributed settings, one thread per process."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
 def launch_script(world_size: int, script: Path, *args: str, log_dir: Path, timeout: float = 600) -> None:
-    """Start ``script`` in ``world_size`` processes as ranks of one job (the way torchrun/SLURM start them).
-
-    Every process gets the distributed environment (``LOCAL_RANK`` etc.), so Lightning sees externally started
-    processes. All processes are killed on timeout, and a failure shows every rank's output.
-    """
-    log_dir.mkdir(parents=True, exist_ok=True)
-    tag = f"{script.stem}-{world_size}-{len(list(log_dir.iterdir()))}"
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "ignore",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(world_size),
-            "NODE_RANK": "0",
-            "LOCAL_RANK": str(rank),
-        }
-        log = open(log_dir / f"{tag}.rank{rank}.log", "w")
-        procs.append(
-            (subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=log, stderr=subprocess.STDOUT), log)
-        )
-    try:
-        codes = [p.wait(timeout=timeout) for p, _ in procs]
-    except subprocess.TimeoutExpired:
-        for p, _ in procs:
-            p.kill()
-        codes = [None] * world_size
-    for _, log in procs:
-        log.close()
+    """Run ``script`` in ``world_size`` processes as ranks of one job; fail with every log unless all exit 0."""
+    tag = f"{script.stem}-{world_size}-{len(list(log_dir.iterdir())) if log_dir.exists() else 0}"
+    codes = run_ranks(world_size, [sys.executable, str(script), *args], log_dir=log_dir, tag=tag, timeout=timeout)
     if any(c != 0 for c in codes):
         logs = "\n".join(
             f"--- rank {r} (exit {c}) ---\n{(log_dir / f'{tag}.rank{r}.log').read_text()[-4000:]}"

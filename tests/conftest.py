@@ -6,7 +6,8 @@ import os
 
 import pytest
 import torch.distributed as dist
-from _helpers import DIST_ENV
+
+from dynmo_lightning.launch import DIST_ENV
 
 
 @pytest.fixture(autouse=True)

@@ -10,10 +10,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _helpers import TINY, clean_env
+from _helpers import TINY
 from hydra import compose, initialize_config_dir
 
 from dynmo_lightning.cli import CONF_DIR
+from dynmo_lightning.launch import clean_env
 
 SUMMARY_KEYS = {
     "steps",

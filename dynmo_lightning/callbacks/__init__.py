@@ -8,8 +8,10 @@ from dynmo_lightning.callbacks.moe import MixtureOfExperts
 from dynmo_lightning.callbacks.pruning import GradualPruning
 from dynmo_lightning.callbacks.sparse_attention import DynamicSparseAttention
 from dynmo_lightning.callbacks.summary import RunSummary
+from dynmo_lightning.callbacks.trace import CostTrace
 
 __all__ = [
+    "CostTrace",
     "DynMoBalancer",
     "DynamicSparseAttention",
     "GradualPruning",

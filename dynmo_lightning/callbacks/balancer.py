@@ -163,7 +163,7 @@ class DynMoBalancer(Callback):
             and ((step + 1) % self.profile_every_n_steps == 0 or (step + 1) % self.every_n_steps == 0)
         )
         if self._profiling:
-            self._strategy(trainer).runtime.profiler.start()
+            self._strategy(trainer).request_profile()
 
     @override
     def on_train_batch_end(
@@ -172,7 +172,7 @@ class DynMoBalancer(Callback):
         strategy = self._strategy(trainer)
         assert self.tracker is not None and strategy.runtime is not None
         if self._profiling:
-            measured = strategy.gather_costs(strategy.runtime.profiler.stop())
+            measured = strategy.profile_results()
             self.tracker.update(measured)
             self._last_measured = measured
             self._profiling = False

@@ -19,6 +19,10 @@ from dynmo_lightning.balance._validation import as_values
 Trace = list[dict[str, Any]]
 
 
+#: Fields of a trace step that hold one entry per stage, not per layer.
+PER_STAGE = frozenset({"layers_per_stage"})
+
+
 def check_trace(trace: Iterable[Mapping[str, Any]]) -> Trace:
     """Validate a trace and normalise it to plain dictionaries of float lists.
 
@@ -44,8 +48,8 @@ def check_trace(trace: Iterable[Mapping[str, Any]]) -> Trace:
         for key, value in entry.items():
             if key == "step":
                 continue
-            if not isinstance(value, (Sequence, np.ndarray)) or isinstance(value, str):
-                out[key] = value  # per-step scalars (loss, world size, ...) ride along untouched
+            if key in PER_STAGE or not isinstance(value, (Sequence, np.ndarray)) or isinstance(value, str):
+                out[key] = value  # per-step scalars and per-stage lists (the partition in force) ride along untouched
                 continue
             values = as_values(value, f"trace step {index} {key}").tolist()
             if not values:

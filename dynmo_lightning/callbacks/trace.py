@@ -1,0 +1,65 @@
+"""CostTrace: write every profiled step's per-layer costs to ``costs.jsonl`` (for the simulator and the plots).
+
+One JSON object per line: ``{"step", "fwd", "bwd", "activation_bytes", "param_bytes", "grad_bytes", "optim_bytes",
+"layers_per_stage", "world_size"}`` with per-layer lists (seconds per micro-batch, bytes). It shares the profiler
+with :class:`~dynmo_lightning.callbacks.DynMoBalancer`: a step either of them profiles is measured once and seen
+by both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from dynmo_lightning.profiling import CostTracker
+from dynmo_lightning.strategy import DynMoStrategy
+
+
+class CostTrace(Callback):
+    """Profile every ``every_n_steps`` steps and append the measurements to ``path`` (global rank 0 writes).
+
+    Args:
+        path: the ``costs.jsonl`` file.
+        every_n_steps: profiling interval.
+    """
+
+    def __init__(self, path: str, every_n_steps: int = 1) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"profile.every_n_steps={every_n_steps} must be >= 1")
+        self.path = path
+        self.every_n_steps = every_n_steps
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not isinstance(trainer.strategy, DynMoStrategy):
+            raise TypeError("profile.trace needs strategy=DynMoStrategy (it measures the pipeline's layers)")
+        if trainer.is_global_zero and stage == "fit":
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            open(self.path, "w").close()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        if trainer.global_step % self.every_n_steps == 0:
+            trainer.strategy.request_profile()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if (trainer.global_step - 1) % self.every_n_steps:
+            return
+        measured = trainer.strategy.profile_results()
+        if measured is None or not trainer.is_global_zero:
+            return
+        record: dict[str, Any] = {"step": trainer.global_step - 1}
+        for field in CostTracker.FIELDS:
+            record[field] = [measured[i][field] for i in range(len(measured))]
+        record["layers_per_stage"] = trainer.strategy.layers_per_stage
+        record["world_size"] = trainer.world_size
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")

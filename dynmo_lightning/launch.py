@@ -1,0 +1,71 @@
+"""Start several processes as the ranks of one job on this machine (what torchrun does, minus the agent).
+
+Used by ``dynmo-bench`` (and the tests) to run many configurations in one set of processes: importing Lightning
+costs seconds per process, so a launch runs a list of cases back to back in the same world.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from dynmo_lightning.pipeline.groups import free_port
+
+#: Variables that describe a distributed job; a launch sets its own, never inherits a parent job's.
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK")
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without distributed settings, one thread per process."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def run_ranks(
+    world_size: int,
+    argv: Sequence[str],
+    *,
+    log_dir: Path,
+    tag: str,
+    timeout: float,
+    poll: Callable[[], None] | None = None,
+) -> list[int | None]:
+    """Run ``argv`` in ``world_size`` processes with ranks 0..N-1 and wait; returns their exit codes.
+
+    Every process gets ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``LOCAL_RANK``, so Lightning sees externally
+    started processes. Output goes to ``log_dir/{tag}.rank{r}.log``; on timeout every process is killed and its code
+    is ``None``. ``poll`` is called every few seconds while waiting (progress reports).
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {
+            **clean_env(),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world_size),
+            "NODE_RANK": "0",
+            "LOCAL_RANK": str(rank),
+        }
+        log = open(log_dir / f"{tag}.rank{rank}.log", "w")
+        procs.append((subprocess.Popen(list(argv), env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+        if poll is not None:
+            poll()
+        time.sleep(2.0 if poll is not None else 0.2)
+    timed_out = any(p.poll() is None for p, _ in procs)
+    for p, _ in procs:
+        if p.poll() is None:
+            p.kill()
+    if poll is not None:
+        poll()
+    codes: list[int | None] = [None if timed_out else p.returncode for p, _ in procs]
+    for p, log in procs:
+        p.wait()
+        log.close()
+    return codes
