@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import time
 import warnings
 from collections.abc import Mapping
 from datetime import timedelta
@@ -161,6 +162,8 @@ class DynMoStrategy(ParallelStrategy):
         self._eval_metrics: dict[str, Any] = {}
         self._control: dist.TCPStore | None = None
         self._profiled: dict[int, dict[str, float]] | None = None
+        #: Wall time of the last training step's pipeline schedule (forward and backward of all micro-batches).
+        self.schedule_seconds = 0.0
         #: ``[{"step", "layers_per_stage"}]``: the initial partition and every change.
         self.partitions: list[dict[str, Any]] = []
 
@@ -411,8 +414,10 @@ class DynMoStrategy(ParallelStrategy):
         params = [p for p in module.parameters() if p.requires_grad]
         for p in params:
             p.grad = None
+        start = time.perf_counter()
         with self.precision_plugin.train_step_context():
             result = self.runtime.step(inputs, target, train=True)
+        self.schedule_seconds = time.perf_counter() - start
         # Lightning zeroes gradients between `training_step` and `backward`: park them until `backward`.
         self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
         for p, _ in self._pending_grads:
