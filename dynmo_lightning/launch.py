@@ -24,20 +24,11 @@ def clean_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def run_ranks(
-    world_size: int,
-    argv: Sequence[str],
-    *,
-    log_dir: Path,
-    tag: str,
-    timeout: float,
-    poll: Callable[[], None] | None = None,
-) -> list[int | None]:
-    """Run ``argv`` in ``world_size`` processes with ranks 0..N-1 and wait; returns their exit codes.
+def start_ranks(world_size: int, argv: Sequence[str], *, log_dir: Path, tag: str) -> list[subprocess.Popen]:
+    """Start ``argv`` in ``world_size`` processes with ranks 0..N-1 (output to ``log_dir/{tag}.rank{r}.log``).
 
     Every process gets ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``LOCAL_RANK``, so Lightning sees externally
-    started processes. Output goes to ``log_dir/{tag}.rank{r}.log``; on timeout every process is killed and its code
-    is ``None``. ``poll`` is called every few seconds while waiting (progress reports).
+    started processes.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -51,21 +42,36 @@ def run_ranks(
             "NODE_RANK": "0",
             "LOCAL_RANK": str(rank),
         }
-        log = open(log_dir / f"{tag}.rank{rank}.log", "w")
-        procs.append((subprocess.Popen(list(argv), env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        with open(log_dir / f"{tag}.rank{rank}.log", "w") as log:  # the child keeps its own handle
+            procs.append(subprocess.Popen(list(argv), env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def run_ranks(
+    world_size: int,
+    argv: Sequence[str],
+    *,
+    log_dir: Path,
+    tag: str,
+    timeout: float,
+    poll: Callable[[], None] | None = None,
+) -> list[int | None]:
+    """Run ``argv`` in ``world_size`` processes (see :func:`start_ranks`) and wait; returns their exit codes.
+
+    On timeout every process is killed and every code is ``None``. ``poll`` is called every few seconds while
+    waiting (progress reports).
+    """
+    procs = start_ranks(world_size, argv, log_dir=log_dir, tag=tag)
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if poll is not None:
             poll()
         time.sleep(2.0 if poll is not None else 0.2)
-    timed_out = any(p.poll() is None for p, _ in procs)
-    for p, _ in procs:
+    timed_out = any(p.poll() is None for p in procs)
+    for p in procs:
         if p.poll() is None:
             p.kill()
+        p.wait()
     if poll is not None:
         poll()
-    codes: list[int | None] = [None if timed_out else p.returncode for p, _ in procs]
-    for p, log in procs:
-        p.wait()
-        log.close()
-    return codes
+    return [None if timed_out else p.returncode for p in procs]

@@ -13,12 +13,13 @@ optimizer step and LR schedulers all see the pipeline's gradients.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -71,6 +72,7 @@ from dynmo_lightning.pipeline.runtime import (
     first_dim,
     micro_batch_error,
 )
+from dynmo_lightning.pipeline.watchdog import PeerLostError, Watchdog, is_distributed_failure
 from dynmo_lightning.profiling import LayerCost, static_memory
 from dynmo_lightning.protocol import ProtocolError, check_protocol, init_layer, split_batch
 
@@ -99,6 +101,8 @@ class DynMoStrategy(ParallelStrategy):
             as DeepSpeed does), or an explicit list such as ``[3, 5]``.
         stages_per_rank: stages per process; more than one needs ``schedule="interleaved_1f1b"``.
         timeout: timeout of every collective and point-to-point operation.
+        heartbeat_timeout: seconds of silence after which a process of the job counts as lost; the others then stop
+            with an error naming it and what the job was doing (instead of waiting for ``timeout``).
         process_group_backend: ``"gloo"``/``"nccl"``; by default chosen from the device.
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
@@ -117,6 +121,7 @@ class DynMoStrategy(ParallelStrategy):
         partition: str | list[int] = "uniform",
         stages_per_rank: int = 1,
         timeout: timedelta | float = timedelta(minutes=5),
+        heartbeat_timeout: float = 15.0,
         process_group_backend: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -149,6 +154,11 @@ class DynMoStrategy(ParallelStrategy):
         self.partition = partition
         self.stages_per_rank = stages_per_rank
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        if heartbeat_timeout <= 0:
+            raise ValueError(f"strategy.heartbeat_timeout={heartbeat_timeout} must be > 0 seconds")
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self._watchdog: Watchdog | None = None
+        self._phase: str | None = None
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self.runtime: PipelineRuntime | None = None
@@ -237,6 +247,37 @@ class DynMoStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self._start_watchdog(share_ports(1)[0])
+
+    def _start_watchdog(self, port: int) -> None:
+        assert self.cluster_environment is not None
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._watchdog = Watchdog(
+            self.cluster_environment.main_address,
+            port,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            phase=lambda: self._phase,
+            interval=min(2.0, self.heartbeat_timeout / 5),
+            stale_after=self.heartbeat_timeout,
+        )
+
+    @contextlib.contextmanager
+    def _in_phase(self, phase: str) -> Iterator[None]:
+        """Name what the job does (for failure messages); turn a lost peer's error into one that names it."""
+        previous, self._phase = self._phase, phase
+        try:
+            yield
+        except PeerLostError:
+            raise
+        except Exception as e:
+            if self._watchdog is not None and is_distributed_failure(e):
+                step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
+                raise self._watchdog.explain(e, step) from e
+            raise
+        finally:
+            self._phase = previous
 
     def set_world_ranks(self) -> None:
         """Derive global rank and world size from node rank, local rank and processes per node."""
@@ -415,14 +456,15 @@ class DynMoStrategy(ParallelStrategy):
         for p in params:
             p.grad = None
         start = time.perf_counter()
-        with self.precision_plugin.train_step_context():
-            result = self.runtime.step(inputs, target, train=True)
-        self.schedule_seconds = time.perf_counter() - start
+        with self._in_phase(f"training step {module.trainer.global_step} (pipeline schedule)"):
+            with self.precision_plugin.train_step_context():
+                result = self.runtime.step(inputs, target, train=True)
+            self.schedule_seconds = time.perf_counter() - start
+            loss = self._share_loss(result.loss)
         # Lightning zeroes gradients between `training_step` and `backward`: park them until `backward`.
         self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
         for p, _ in self._pending_grads:
             p.grad = None
-        loss = self._share_loss(result.loss)
         module.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=first_dim(inputs))
         return loss
 
@@ -453,17 +495,18 @@ class DynMoStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.runtime is not None
         inputs, target = self._batch(args[0] if args else kwargs["batch"])
-        with self.precision_plugin.predict_step_context():
+        with self._in_phase("prediction (pipeline forward)"), self.precision_plugin.predict_step_context():
             result = self.runtime.step(inputs, target, train=False)
-        payload = [move_data_to_device(result.output, "cpu") if self.runtime.has_last_stage else None]
-        dist.broadcast_object_list(payload, src=self._last_global_rank(), group=self.pp_group)
+            payload = [move_data_to_device(result.output, "cpu") if self.runtime.has_last_stage else None]
+            dist.broadcast_object_list(payload, src=self._last_global_rank(), group=self.pp_group)
         return payload[0]
 
     def _eval_step(self, prefix: str, batch: Any) -> Tensor:
         assert self.runtime is not None and self.lightning_module is not None
         inputs, target = self._batch(batch)
-        result = self.runtime.step(inputs, target, train=False)
-        loss = self._share_loss(result.loss)
+        with self._in_phase(f"{'validation' if prefix == 'val' else prefix} (pipeline forward)"):
+            result = self.runtime.step(inputs, target, train=False)
+            loss = self._share_loss(result.loss)
         module = self.lightning_module
         size = first_dim(inputs)
         # Every process holds the same value; syncing makes Lightning's epoch mean explicit (and cheap).
@@ -605,15 +648,16 @@ class DynMoStrategy(ParallelStrategy):
         new = StagePlan(tuple(lps), self.pp_size)
         if new == self.runtime.plan:
             return MigrationStats(moves=[])
-        stats = migrate(
-            self._slots,
-            [getattr(o, "_optimizer", o) for o in self.optimizers],
-            self.runtime.plan,
-            new,
-            rank=self.pp_rank,
-            group=self.pp_group,
-            device=self.root_device,
-        )
+        with self._in_phase(f"layer migration {self.layers_per_stage} -> {lps}"):
+            stats = migrate(
+                self._slots,
+                [getattr(o, "_optimizer", o) for o in self.optimizers],
+                self.runtime.plan,
+                new,
+                rank=self.pp_rank,
+                group=self.pp_group,
+                device=self.root_device,
+            )
         self.runtime.set_plan(new)
         self.partitions.append({"step": self.lightning_module.trainer.global_step, "layers_per_stage": lps})
         return stats
@@ -642,21 +686,26 @@ class DynMoStrategy(ParallelStrategy):
             raise ValueError(f"keep_ranks={keep_ranks} must be ascending, distinct and start with rank 0")
         lps = balance.validate_partition(layers_per_stage, self.n_layers, len(keep_ranks))
         old_rank, old_size = self.pp_rank, self.pp_size
-        world_port, control_port = share_ports(2)
+        world_port, control_port, heartbeat_port = share_ports(3)
         target = [0] * old_size
         for stage, rank in enumerate(keep_ranks):
             target[rank] = lps[stage]
-        stats = migrate(
-            self._slots,
-            [getattr(o, "_optimizer", o) for o in self.optimizers],
-            self.runtime.plan,
-            StagePlan(tuple(target), old_size),
-            rank=old_rank,
-            group=self.pp_group,
-            device=self.root_device,
-        )
+        with self._in_phase(f"consolidation onto ranks {keep_ranks} (layer migration)"):
+            stats = migrate(
+                self._slots,
+                [getattr(o, "_optimizer", o) for o in self.optimizers],
+                self.runtime.plan,
+                StagePlan(tuple(target), old_size),
+                rank=old_rank,
+                group=self.pp_group,
+                device=self.root_device,
+            )
+            dist.barrier()
+        # The old world's heartbeats end with it (released processes fall silent on purpose).
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         self.runtime.invalidate()
-        dist.barrier()
         dist.destroy_process_group()
         address = self.cluster_environment.main_address
         timeout = self._timeout
@@ -676,6 +725,7 @@ class DynMoStrategy(ParallelStrategy):
         )
         self.cluster_environment = ResizedEnvironment(self.cluster_environment, len(keep_ranks), new_rank, world_port)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._start_watchdog(heartbeat_port)
         self.runtime.rank = new_rank
         self.runtime.set_plan(StagePlan(tuple(lps), len(keep_ranks)))
         assert self.lightning_module is not None
@@ -698,20 +748,22 @@ class DynMoStrategy(ParallelStrategy):
     # Collectives (over the whole job, as Lightning expects)
     # ----------------------------------------------------------------------------------------------------------------
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with self._in_phase(f"a barrier ({name or 'Lightning'})"):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         payload = [obj]
-        dist.broadcast_object_list(payload, src, group=_group.WORLD)
+        with self._in_phase("a broadcast"):
+            dist.broadcast_object_list(payload, src, group=_group.WORLD)
         return payload[0]
 
     @override
@@ -719,7 +771,8 @@ class DynMoStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with self._in_phase("a reduction of logged values"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -748,7 +801,8 @@ class DynMoStrategy(ParallelStrategy):
             "cpu",
         )
         parts: list[Any] | None = [None] * self.pp_size if self.pp_rank == 0 else None
-        dist.gather_object(part, parts, dst=self._global_rank_of_pp(0), group=self.pp_group)
+        with self._in_phase(f"checkpoint save ({os.fspath(filepath)})"):
+            dist.gather_object(part, parts, dst=self._global_rank_of_pp(0), group=self.pp_group)
         if parts is None:
             return
         checkpoint = dict(checkpoint)
@@ -797,6 +851,9 @@ class DynMoStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         if self._control is not None:
             self._control.set(SHUTDOWN_KEY, "1")  # processes released with on_release="wait" may exit now
         module = self._lightning_module

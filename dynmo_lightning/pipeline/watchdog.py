@@ -1,0 +1,175 @@
+"""Fail fast when a process of the job dies: heartbeats, and errors that name the lost rank and the phase.
+
+gloo reports a dead peer as "connection closed" (on the ranks that talk to it directly) and NCCL may just wait until
+its timeout, so neither says *which* process was lost nor what the job was doing. Every process therefore writes a
+heartbeat into a small key-value store hosted by rank 0, from a daemon thread, every ``interval`` seconds.
+
+* When a distributed call fails, the process announces that it is failing (so that it is not blamed itself), waits
+  until the heartbeats show which rank went silent, and raises :class:`PeerLostError` naming that rank, the phase
+  (training step, validation, migration, checkpoint, consolidation) and the step.
+* When a rank goes silent while this process is blocked (a collective that never returns), the watchdog thread
+  reports the same message and ends the process with exit status 1 after ``stale_after`` seconds, well before the
+  collective timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+#: Store key naming the ranks found lost.
+_LOST = "dynmo/lost"
+
+
+class PeerLostError(RuntimeError):
+    """A process of the job died (or stopped responding) while this one needed it."""
+
+
+class Watchdog:
+    """Heartbeats of the job's processes, kept in a TCP store on rank 0.
+
+    Args:
+        address: the store's host (the job's main address).
+        port: the store's port (chosen by rank 0 and shared beforehand).
+        rank: this process's rank.
+        world_size: processes in the job.
+        phase: returns what the job is doing now (for messages), ``None`` between distributed phases (then a silent
+            peer is not acted on here: whatever this process does next will fail on it, or the job is ending).
+        interval: seconds between heartbeats.
+        stale_after: a rank whose heartbeat is older than this is lost.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        *,
+        rank: int,
+        world_size: int,
+        phase: Callable[[], str | None],
+        interval: float = 2.0,
+        stale_after: float = 15.0,
+    ) -> None:
+        self.rank, self.world_size, self.phase = rank, world_size, phase
+        self.interval, self.stale_after = interval, stale_after
+        timeout = timedelta(seconds=max(stale_after, 30.0))
+        self._store = dist.TCPStore(address, port, is_master=rank == 0, wait_for_workers=False, timeout=timeout)
+        self._stop = threading.Event()
+        #: Ranks some process found lost (published in the store, remembered here in case rank 0 then goes too).
+        self.known_lost: list[int] = []
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="dynmo-watchdog", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self._store.set(f"dynmo/heartbeat/{self.rank}", repr(time.time()))
+        if self._store.check([_LOST]):
+            self.known_lost = [int(r) for r in self._store.get(_LOST).decode().split(",") if r]
+
+    def _publish(self, lost: list[int]) -> None:
+        """Tell the others who was lost (before rank 0's store may vanish with rank 0)."""
+        self.known_lost = lost
+        with contextlib.suppress(Exception):  # the store's host may be the one lost
+            self._store.set(_LOST, ",".join(map(str, lost)))
+
+    def _ages(self) -> dict[int, float]:
+        """Seconds since each rank's last heartbeat (a rank that never wrote one counts as just started)."""
+        now, ages = time.time(), {}
+        for r in range(self.world_size):
+            key = f"dynmo/heartbeat/{r}"
+            ages[r] = now - float(self._store.get(key)) if self._store.check([key]) else 0.0
+        return ages
+
+    def _failing(self) -> set[int]:
+        return {r for r in range(self.world_size) if self._store.check([f"dynmo/failing/{r}"])}
+
+    def lost(self, wait: float | None = None) -> list[int]:
+        """Ranks whose heartbeat stopped, waiting up to ``wait`` seconds for one to show.
+
+        Rank 0 when the store is gone: it lives in rank 0's process.
+        """
+        deadline = time.time() + (self.stale_after + 2 * self.interval if wait is None else wait)
+        while True:
+            try:
+                failing = self._failing()
+                stale = [r for r, age in self._ages().items() if age > self.stale_after and r not in failing]
+            except Exception:
+                # An unreachable store means its host, rank 0, is gone -- unless someone found the culprit first
+                # and rank 0 stopped because of it.
+                return self.known_lost or ([0] if self.rank != 0 else [])
+            if stale or time.time() >= deadline:
+                return stale
+            time.sleep(self.interval)
+
+    def explain(self, error: BaseException, step: int) -> PeerLostError:
+        """The error to raise instead of ``error`` (a failed distributed call): who was lost, when, doing what."""
+        phase = self.phase() or "a collective"
+        try:
+            self._store.set(f"dynmo/failing/{self.rank}", phase)
+        except Exception:
+            pass
+        lost = self.lost()
+        if lost:
+            self._publish(lost)
+        who = f"rank {', '.join(map(str, lost))}" if lost else "another process"
+        return PeerLostError(
+            f"{who} of the job was lost during {phase} (step {step}); rank {self.rank} stops too. "
+            f"Resume from the last checkpoint. Cause: {type(error).__name__}: {error}"
+        )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            phase = self.phase()
+            try:
+                self._beat()
+                failing = self._failing()
+                ages = self._ages()
+            except Exception:  # the store is gone with its host, rank 0 (or with what it found)
+                if self._stop.is_set():
+                    return
+                ages, failing = {r: float("inf") for r in (self.known_lost or [0])}, set()
+            stale = [r for r, age in ages.items() if age > self.stale_after and r not in failing and r != self.rank]
+            if stale and phase is not None and not self._stop.is_set() and self.rank not in failing:
+                self._publish(stale)
+                message = (
+                    f"rank {', '.join(map(str, stale))} of the job stopped responding during {phase}; "
+                    f"rank {self.rank} stops too. Resume from the last checkpoint."
+                )
+                log.error(message)
+                print(f"[dynmo] {message}", file=sys.stderr, flush=True)
+                # Give the others time to read who was lost before this process (maybe the store's host) ends.
+                time.sleep(2 * self.interval)
+                os._exit(1)  # a blocked collective cannot be interrupted from here: end the process
+
+    def stop(self) -> None:
+        """Stop beating (training ended normally, or this process was released)."""
+        self._stop.set()
+
+
+def is_distributed_failure(error: BaseException) -> bool:
+    """Whether ``error`` comes from a peer's failure rather than from this process's own code."""
+    text = f"{type(error).__name__}: {error}"
+    markers = (
+        "DistBackendError",
+        "DistNetworkError",
+        "DistStoreError",
+        "Connection closed",
+        "Connection reset",
+        "gloo",
+        "NCCL",
+        "Broken pipe",
+        "timed out",
+        "Timeout",
+    )
+    return isinstance(error, dist.DistError) or any(m in text for m in markers)
