@@ -823,6 +823,22 @@ class DynMoStrategy(ParallelStrategy):
         return dist.get_global_rank(self.pp_group, pp_rank) if self.pp_group is not None else pp_rank
 
     @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise ValueError(
+                f"ckpt_path={os.fspath(checkpoint_path)} is not a readable checkpoint ({type(e).__name__}: {e}); it "
+                "may be truncated or not a Lightning checkpoint. Resume from an earlier one (checkpoints are written "
+                "to a temporary file and renamed, so the previous one is always complete)."
+            ) from e
+        if "state_dict" not in checkpoint:
+            raise ValueError(f"ckpt_path={os.fspath(checkpoint_path)} has no 'state_dict': not a training checkpoint")
+        return checkpoint
+
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
@@ -837,7 +853,15 @@ class DynMoStrategy(ParallelStrategy):
                 f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}. "
                 "Was it written for a different model configuration?"
             )
-        module.load_state_dict({k: saved[k] for k in local if k in saved}, strict=strict)
+        try:
+            module.load_state_dict({k: saved[k] for k in local if k in saved}, strict=strict)
+        except RuntimeError as e:
+            details = [line.strip() for line in str(e).splitlines()[1:]]
+            more = f" and {len(details) - 3} more" if len(details) > 3 else ""
+            raise RuntimeError(
+                f"The checkpoint does not match the model ({'; '.join(details[:3])}{more}). Was it written for a "
+                "different model configuration?"
+            ) from e
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

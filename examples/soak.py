@@ -1,0 +1,164 @@
+"""Soak test (a script, not a CI test): 2,000 steps with a migration every 10 steps and a dynamic technique active.
+
+Run:  python examples/soak.py --steps 2000 --out soak.json
+
+Checks, and writes to ``--out``:
+* memory: resident set size of every rank after warm-up vs at the end (growth must stay under 5 %);
+* no hang: every phase finishes within its timeout;
+* kill and resume: the same training killed (SIGKILL, from outside) a little after the halfway checkpoint and
+  resumed from it ends with the same losses and parameters as the uninterrupted run.
+
+Each run is started like torchrun would (``dynmo_lightning.launch``); ``soak.py worker ...`` is the per-rank entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from dynmo_lightning import DynMoBalancer, DynMoStrategy
+from dynmo_lightning.callbacks import TokenEarlyExit
+from dynmo_lightning.data import StdlibCharDataModule
+from dynmo_lightning.launch import run_ranks, start_ranks
+from dynmo_lightning.models import GPT
+
+EPOCH = 100  # steps per epoch: checkpoints at epoch ends resume with the exact data order
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Record(L.Callback):
+    """Losses (rank 0), RSS every 50 steps (every rank), a marker file after ``mark_at`` steps."""
+
+    def __init__(self, out: Path, mark_at: int | None) -> None:
+        self.out, self.mark_at, self.losses, self.rss = out, mark_at, [], {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        step = trainer.global_step
+        if step % 50 == 0:
+            self.rss[step] = rss_bytes()
+        if self.mark_at is not None and step == self.mark_at:
+            (self.out / "halfway").touch()
+
+    def on_train_end(self, trainer, pl_module):
+        rank = trainer.global_rank
+        (self.out / f"rss.rank{rank}.json").write_text(json.dumps(self.rss))
+        if rank == 0:
+            (self.out / "losses.json").write_text(json.dumps(self.losses))
+
+
+def worker(out: Path, steps: int, ckpt: str | None, mark_at: int | None) -> None:
+    L.seed_everything(0)
+    record = Record(out, mark_at)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        max_steps=steps,
+        limit_train_batches=EPOCH,
+        strategy=DynMoStrategy(n_microbatches=4, heartbeat_timeout=30),
+        logger=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        enable_model_summary=False,
+        callbacks=[
+            TokenEarlyExit(threshold=0.8, warmup_steps=50, ramp_steps=100),
+            DynMoBalancer(method="random", every_n_steps=10, warmup_steps=0),
+            ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=EPOCH),
+            record,
+        ],
+    )
+    model = GPT(n_layer=6, n_embd=64, n_head=4, block_size=64)
+    trainer.fit(model, datamodule=StdlibCharDataModule(block_size=64, batch_size=16), ckpt_path=ckpt)
+    trainer.save_checkpoint(out / "final.ckpt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--out", default="soak.json")
+    parser.add_argument("--dir", default="soak_runs")
+    args = parser.parse_args()
+    base = Path(args.dir).resolve()
+    me = [sys.executable, str(Path(__file__).resolve()), "worker"]
+    report: dict = {"steps": args.steps, "world_size": args.world}
+
+    t0 = time.time()  # 1. uninterrupted
+    codes = run_ranks(
+        args.world,
+        [*me, str(base / "full"), str(args.steps), "-", "-"],
+        log_dir=base / "full",
+        tag="full",
+        timeout=3600,
+    )
+    report["uninterrupted"] = {"exit_codes": codes, "seconds": time.time() - t0}
+    assert codes == [0] * args.world, f"uninterrupted run failed: {codes}"
+
+    half = args.steps // 2  # 2. killed a little after the halfway checkpoint, from outside
+    procs = start_ranks(
+        args.world,
+        [*me, str(base / "killed"), str(args.steps), "-", str(half + EPOCH // 2)],
+        log_dir=base / "killed",
+        tag="killed",
+    )
+    while not (base / "killed" / "halfway").exists():
+        assert all(p.poll() is None for p in procs), "the run ended before it could be killed"
+        time.sleep(0.2)
+    for p in procs:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    ckpt = base / "killed" / "ckpt" / "last.ckpt"
+    resumed_from = torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"]
+    t0 = time.time()  # 3. resumed
+    codes = run_ranks(
+        args.world,
+        [*me, str(base / "resumed"), str(args.steps), str(ckpt), "-"],
+        log_dir=base / "resumed",
+        tag="resumed",
+        timeout=3600,
+    )
+    report["resumed"] = {"from_step": resumed_from, "exit_codes": codes, "seconds": time.time() - t0}
+
+    full = json.loads((base / "full" / "losses.json").read_text())
+    resumed = json.loads((base / "resumed" / "losses.json").read_text())
+    a = torch.load(base / "full" / "final.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    b = torch.load(base / "resumed" / "final.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    report["resumed"]["losses_equal"] = resumed == full[resumed_from:]
+    report["resumed"]["max_param_rel_diff"] = max(
+        float((a[k].double() - b[k].double()).norm() / max(float(a[k].double().norm()), 1e-12)) for k in a
+    )
+    growth = {}
+    for r in range(args.world):
+        rss = {int(k): v for k, v in json.loads((base / "full" / f"rss.rank{r}.json").read_text()).items()}
+        warm, end = rss[min(k for k in rss if k >= 200)], rss[max(rss)]
+        growth[r] = {"after_warmup_MB": warm / 2**20, "end_MB": end / 2**20, "growth_pct": 100 * (end - warm) / warm}
+    report["memory"] = growth
+    report["migrations"] = "every 10 steps (random partitions), early exit active"
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        out_dir, n, ckpt_arg, mark_arg = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+        out_dir.mkdir(parents=True, exist_ok=True)
+        worker(out_dir, n, None if ckpt_arg == "-" else ckpt_arg, None if mark_arg == "-" else int(mark_arg))
+    else:
+        main()

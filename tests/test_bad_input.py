@@ -1,0 +1,128 @@
+"""More misconfigurations (docs/errors.md has the whole table): each gets a clear error before training starts or at
+the step it is detected. The other rows are tested next to their feature (tests/test_errors.py, tests/callbacks/)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from torch import nn
+
+from dynmo_lightning import DynMoBalancer, DynMoStrategy, PipelineModule
+from dynmo_lightning.callbacks import CostTrace, MixtureOfExperts
+from dynmo_lightning.cli import CONF_DIR
+from dynmo_lightning.data import StdlibCharDataModule
+from dynmo_lightning.models import GPT
+from dynmo_lightning.protocol import ProtocolError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _fit(model, strategy=None, callbacks=(), ckpt_path=None, **kw):
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy or DynMoStrategy(n_microbatches=2),
+        max_steps=2,
+        callbacks=list(callbacks),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        **kw,
+    )
+    trainer.fit(
+        model, datamodule=StdlibCharDataModule(block_size=32, batch_size=8, max_bytes=100_000), ckpt_path=ckpt_path
+    )
+    return trainer
+
+
+def _gpt(**kw) -> GPT:
+    return GPT(n_layer=2, n_embd=32, n_head=4, block_size=32, **kw)
+
+
+def test_hydra_override_typo():
+    with (
+        initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"),
+        pytest.raises(ConfigCompositionException, match=r"strategy\.schedul"),
+    ):
+        compose("config", overrides=["strategy.schedul=gpipe", "run_dir=/tmp/x"])
+
+
+def test_protocol_module_without_training_step():
+    class Layers(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+        def pipeline_layers(self):
+            return list(self.layers)
+
+        def pipeline_loss(self, out, y):
+            return out.sum()
+
+    with pytest.raises(ProtocolError, match=r"Subclass dynmo_lightning\.PipelineModule"):
+        _fit(Layers())
+
+
+def test_parameters_outside_pipeline_layers():
+    class Extra(PipelineModule):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Embedding(256, 8), nn.Linear(8, 256)])
+            self.temperature = nn.Parameter(torch.ones(()))
+
+        def pipeline_layers(self):
+            return list(self.layers)
+
+        def pipeline_loss(self, out, y):
+            return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(ProtocolError, match=r"parameters outside its pipeline_layers\(\): \['temperature'\]"):
+        _fit(Extra())
+
+
+def test_min_world_size_above_the_job():
+    with pytest.raises(ValueError, match=r"balancer.min_world_size=2 > the job's 1 processes"):
+        _fit(_gpt(), callbacks=[DynMoBalancer(repack=True, min_world_size=2)])
+
+
+def test_moe_and_sparse_attention_settings():
+    with pytest.raises(ValueError, match=r"dynamics.top_k=5 must be between 1 and dynamics.n_experts=4"):
+        MixtureOfExperts(n_experts=4, top_k=5)
+    with pytest.raises(ValueError, match=r"dynamics.capacity_factor=0 must be > 0"):
+        MixtureOfExperts(capacity_factor=0)
+    with pytest.raises(ValueError, match=r"model.moe_top_k=3 must be between 1 and model.n_experts=2"):
+        GPT(n_experts=2, moe_top_k=3)
+    with pytest.raises(ValueError, match=r"block_size=60 is not a multiple of model.attn_block=16"):
+        GPT(block_size=60, attention="sparse", attn_block=16)
+
+
+def test_strategy_and_trace_settings():
+    with pytest.raises(ValueError, match=r"strategy.heartbeat_timeout=0 must be > 0"):
+        DynMoStrategy(heartbeat_timeout=0)
+    with pytest.raises(ValueError, match=r"profile.every_n_steps=0 must be >= 1"):
+        CostTrace("/tmp/costs.jsonl", every_n_steps=0)
+
+
+def test_corrupt_checkpoint(tmp_path):
+    path = tmp_path / "broken.ckpt"
+    path.write_bytes(b"PK\x03\x04 not really a checkpoint")
+    with pytest.raises(ValueError, match=r"broken.ckpt is not a readable checkpoint .* may be truncated"):
+        _fit(_gpt(), ckpt_path=str(path))
+
+
+def test_checkpoint_of_another_model(tmp_path):
+    trainer = _fit(_gpt(), default_root_dir=tmp_path)
+    path = tmp_path / "small.ckpt"
+    trainer.save_checkpoint(path)
+    mismatch = r"does not match the model \(size mismatch for embed.wte.weight.*more\). Was it written"
+    with pytest.raises(RuntimeError, match=mismatch):
+        _fit(GPT(n_layer=2, n_embd=64, n_head=4, block_size=32), ckpt_path=str(path))
+    with pytest.raises(RuntimeError, match=r"does not match the model: missing keys \['blocks.2"):
+        _fit(GPT(n_layer=3, n_embd=32, n_head=4, block_size=32), ckpt_path=str(path))
