@@ -178,13 +178,26 @@ def layers_changed(trainer: Any) -> None:
         hook()
 
 
-def all_gather(obj: Any) -> list[Any]:
-    """Every process's ``obj`` (just ``[obj]`` without torch.distributed): how dynamics agree on global decisions."""
+def all_gather(obj: Any, trainer: Any = None, *, replicas: bool = False) -> list[Any]:
+    """Every process's ``obj`` (just ``[obj]`` without torch.distributed): how dynamics agree on global decisions.
+
+    Under data parallelism (a strategy with ``replica_ranks``), the pipeline's processes of the first replica only,
+    by pipeline rank: replicas hold the same layers, so a decision made from one replica's parts is the same on
+    every process of the job (and the same as without replicas, where what is gathered is the same everywhere).
+
+    Args:
+        obj: this process's part (picklable).
+        trainer: the Trainer (its strategy says how processes form replicas); ``None``: every process's part.
+        replicas: return ``[[parts of replica 0], [parts of replica 1], ...]`` instead (for statistics of data that
+            differ between replicas).
+    """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [obj]
+        return [[obj]] if replicas else [obj]
     out: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, obj)
-    return out
+    layout = getattr(getattr(trainer, "strategy", None), "replica_ranks", None) or [list(range(len(out)))]
+    by_replica = [[out[r] for r in ranks] for ranks in layout]
+    return by_replica if replicas else by_replica[0]
 
 
 def as_tuple(x: Any) -> tuple[Any, ...]:

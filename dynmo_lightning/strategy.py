@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import time
 import warnings
@@ -43,7 +44,8 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -63,7 +65,7 @@ from dynmo_lightning.pipeline.groups import (
     share_ports,
 )
 from dynmo_lightning.pipeline.layers import LayerSlots, RemoteLayer
-from dynmo_lightning.pipeline.migration import MigrationStats, migrate
+from dynmo_lightning.pipeline.migration import MigrationStats, migrate, replicate
 from dynmo_lightning.pipeline.runtime import (
     SCHEDULES,
     PipelineRuntime,
@@ -72,6 +74,7 @@ from dynmo_lightning.pipeline.runtime import (
     first_dim,
     micro_batch_error,
 )
+from dynmo_lightning.pipeline.ties import TiedParameters, find_ties
 from dynmo_lightning.pipeline.watchdog import PeerLostError, Watchdog, is_distributed_failure
 from dynmo_lightning.profiling import LayerCost, static_memory
 from dynmo_lightning.protocol import ProtocolError, check_protocol, init_layer, split_batch
@@ -79,8 +82,9 @@ from dynmo_lightning.protocol import ProtocolError, check_protocol, init_layer, 
 #: Initial partitions that ``DynMoStrategy(partition=...)`` accepts by name (or a list of layers per stage).
 PARTITIONS = ("uniform", "params")
 
-#: What a process released by consolidation does: leave at once, or idle until training ends.
-ON_RELEASE = ("exit", "wait")
+#: What a process released by consolidation does: leave at once, idle until training ends, or join other released
+#: processes in a new data-parallel replica of the pipeline.
+ON_RELEASE = ("exit", "wait", "data_parallel")
 
 #: How long a released process waits for the end of training (``on_release="wait"``).
 _RELEASED_WAIT = timedelta(days=7)
@@ -88,6 +92,12 @@ _RELEASED_WAIT = timedelta(days=7)
 
 class DynMoStrategy(ParallelStrategy):
     """Pipeline parallelism for pipeline-ready LightningModules (see :mod:`dynmo_lightning.protocol`).
+
+    With ``data_parallel_size=D`` the job's ``W`` processes form a ``D x (W / D)`` device mesh
+    (:attr:`device_mesh`, dimensions ``("dp", "pp")``): ``D`` replicas of a pipeline of ``W / D`` processes, each
+    replica on consecutive global ranks (so a pipeline stays within a node where it fits). The sampler shards the
+    data over the replicas; each stage's gradients are averaged over its replicas after the backward; balancing
+    decisions are made once and applied in every replica alike.
 
     Each process holds one pipeline stage (or ``stages_per_rank`` interleaved stages): a contiguous run of the
     module's ``pipeline_layers()``. Layers of other stages are dropped from the process (their memory is freed);
@@ -100,6 +110,8 @@ class DynMoStrategy(ParallelStrategy):
         partition: initial layers per stage: ``"uniform"`` (by layer count), ``"params"`` (balance parameter counts,
             as DeepSpeed does), or an explicit list such as ``[3, 5]``.
         stages_per_rank: stages per process; more than one needs ``schedule="interleaved_1f1b"``.
+        data_parallel_size: replicas of the pipeline; the number of processes must be a multiple of it. The
+            dataloader's batch size is per replica, as with DDP.
         timeout: timeout of every collective and point-to-point operation.
         heartbeat_timeout: seconds of silence after which a process of the job counts as lost; the others then stop
             with an error naming it and what the job was doing (instead of waiting for ``timeout``).
@@ -120,6 +132,7 @@ class DynMoStrategy(ParallelStrategy):
         schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b",
         partition: str | list[int] = "uniform",
         stages_per_rank: int = 1,
+        data_parallel_size: int = 1,
         timeout: timedelta | float = timedelta(minutes=5),
         heartbeat_timeout: float = 15.0,
         process_group_backend: str | None = None,
@@ -149,6 +162,9 @@ class DynMoStrategy(ParallelStrategy):
             partition = [int(n) for n in partition]
         if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
             raise ValueError(f"strategy.stages_per_rank={stages_per_rank!r} must be a positive integer")
+        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"strategy.data_parallel_size={data_parallel_size!r} must be a positive integer")
+        self.data_parallel_size = data_parallel_size
         self.n_microbatches = n_microbatches
         self.schedule = schedule
         self.partition = partition
@@ -163,6 +179,18 @@ class DynMoStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.runtime: PipelineRuntime | None = None
         self._slots: LayerSlots | None = None
+        self._ties = TiedParameters([], self._layout)
+        #: Global ranks of every pipeline replica, by pipeline rank (the rows of the device mesh).
+        self._replicas: list[list[int]] = []
+        #: Per replica: ``(shard, n_shards)`` the sampler gives it and ``(part, n_parts)`` of that shard's batches it
+        #: trains on (replicas made from released processes split the batches of the replica they came from).
+        self._shards: list[tuple[int, int]] = []
+        self._parts: list[tuple[int, int]] = []
+        self._pp_group: dist.ProcessGroup | None = None
+        self._dp_group: dist.ProcessGroup | None = None
+        self.device_mesh: Any = None
+        #: Batch size the sampler delivered in the last training step (before a replica takes its part).
+        self._batch_size: int | None = None
         self._global_keys: set[str] = set()
         #: Parameter count of every pipeline layer (taken before the split).
         self.layer_param_counts: list[int] = []
@@ -208,23 +236,55 @@ class DynMoStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # All stages of one pipeline consume the same batch: one data-parallel replica.
-        return {"num_replicas": 1, "rank": 0}
+        # All stages of one pipeline consume the same batch; the data is sharded over the replicas.
+        if not self._replicas:
+            return {"num_replicas": self.data_parallel_size, "rank": self.global_rank // self.pp_size}
+        shard, n_shards = self._shards[self.dp_rank]
+        return {"num_replicas": n_shards, "rank": shard}
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
-        """The pipeline's process group (``None``: the default group)."""
-        return None
+        """The pipeline's process group (``None``: the default group, when there is one replica)."""
+        return self._pp_group
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The process group of this stage's replicas (``None`` with one replica)."""
+        return self._dp_group
 
     @property
     def pp_size(self) -> int:
         """Number of processes in the pipeline."""
-        return self.world_size
+        if self._replicas:
+            return len(self._replicas[0])
+        return self.world_size // self.data_parallel_size
 
     @property
     def pp_rank(self) -> int:
         """Rank of this process in the pipeline."""
-        return self.global_rank
+        if self._replicas:
+            return self._replicas[self.dp_rank].index(self.global_rank)
+        return self.global_rank % self.pp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas of the pipeline (grows when released processes form new ones)."""
+        return len(self._replicas) if self._replicas else self.data_parallel_size
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this process's replica."""
+        if self._replicas:
+            return next(d for d, ranks in enumerate(self._replicas) if self.global_rank in ranks)
+        return self.global_rank // self.pp_size
+
+    @property
+    def replica_ranks(self) -> list[list[int]]:
+        """Global ranks of every replica's pipeline, by pipeline rank (the rows of :attr:`device_mesh`)."""
+        return [list(ranks) for ranks in self._replicas]
+
+    def _layout(self) -> tuple[list[list[int]], int]:
+        return self._replicas, self.dp_rank
 
     @property
     def n_stages(self) -> int:
@@ -241,13 +301,51 @@ class DynMoStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         assert self.cluster_environment is not None
+        if self.world_size % self.data_parallel_size:
+            raise ValueError(
+                f"strategy.data_parallel_size={self.data_parallel_size} does not divide the job's {self.world_size} "
+                "processes (Trainer devices x num_nodes): every replica needs the same number of pipeline stages. "
+                f"Use a divisor of {self.world_size}, or change the number of processes."
+            )
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        d, p = self.data_parallel_size, self.world_size // self.data_parallel_size
+        self._shards = [(i, d) for i in range(d)]
+        self._parts = [(0, 1)] * d
+        self._build_mesh([list(range(i * p, (i + 1) * p)) for i in range(d)])
         self._start_watchdog(share_ports(1)[0])
+
+    def _build_mesh(self, replicas: list[list[int]]) -> None:
+        """Make the ``("dp", "pp")`` device mesh of ``replicas`` (collective: every process makes every group).
+
+        The groups are made here (with the strategy's timeout) and handed to ``DeviceMesh.from_group``: the mesh's own
+        group creation would use torch's 30-minute default timeout.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self._replicas = replicas
+        me = self.global_rank
+        d, p = len(replicas), len(replicas[0])
+        pp_group = dp_group = None
+        for ranks in replicas:
+            group = dist.new_group(ranks, timeout=self._timeout) if d > 1 else _group.WORLD
+            if me in ranks:
+                pp_group = group
+        for stage in range(p):
+            ranks = [replica[stage] for replica in replicas]
+            group = dist.new_group(ranks, timeout=self._timeout)
+            if me in ranks:
+                dp_group = group
+        # One replica: the pipeline is the default group (as before data parallelism existed).
+        self._pp_group = pp_group if d > 1 else None
+        self._dp_group = dp_group if d > 1 else None
+        self.device_mesh = DeviceMesh.from_group(
+            [dp_group, pp_group], self.root_device.type, mesh=replicas, mesh_dim_names=("dp", "pp")
+        )
 
     def _start_watchdog(self, port: int) -> None:
         assert self.cluster_environment is not None
@@ -378,6 +476,8 @@ class DynMoStrategy(ParallelStrategy):
         self._global_keys = set(module.state_dict().keys())
         self._param_order = [name for name, _ in module.named_parameters()]
         slots = LayerSlots(module, layers)
+        # Found before the split: materialising or dropping layers separates what they share.
+        self._ties = TiedParameters(find_ties(module, layers, slots.names), self._layout)
         mine = set(plan.layers_of_rank(self.pp_rank))
         seed = int(getattr(module, "pipeline_init_seed", 0))
         for i in range(len(layers)):
@@ -390,6 +490,10 @@ class DynMoStrategy(ParallelStrategy):
                 init_layer(module, i, layer, seed)
         self._slots = slots
         self.partitions = [{"step": 0, "layers_per_stage": list(layers_per_stage)}]
+        self._ties.retie(slots, [])
+        self._ties.prepare(plan)
+        self._ties.check_shapes(slots, plan, self.pp_rank)
+        self._ties.sync_values(slots, plan, self.pp_rank)
 
     def _initial_partition(self, layers: list[torch.nn.Module]) -> list[int]:
         n_layers, n_stages = len(layers), self.n_stages
@@ -436,21 +540,38 @@ class DynMoStrategy(ParallelStrategy):
         """Refuse a dataloader whose batches cannot split into micro-batches before any process runs a step."""
         for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
             size = getattr(loader, "batch_size", None)
-            if isinstance(size, int) and size % self.n_microbatches:
-                raise micro_batch_error(size, self.n_microbatches)
+            if isinstance(size, int):
+                self._check_batch_size(size)
 
-    def _batch(self, batch: Any) -> tuple[Any, Tensor]:
+    def _check_batch_size(self, size: int) -> None:
+        _, n_parts = self._parts[self.dp_rank] if self._parts else (0, 1)
+        if size % n_parts:
+            raise ValueError(
+                f"A batch of {size} samples does not split into the {n_parts} replicas that share it (released "
+                "processes joined as data-parallel replicas). Use batches that are full (drop_last=True) and a "
+                "multiple of the replicas times strategy.n_microbatches."
+            )
+        if (size // n_parts) % self.n_microbatches:
+            raise micro_batch_error(size // n_parts, self.n_microbatches)
+
+    def _batch(self, batch: Any, *, record: bool = False) -> tuple[Any, Tensor]:
         inputs, target = split_batch(self.lightning_module, batch)
         size = first_dim(inputs)
-        if size % self.n_microbatches:
-            raise micro_batch_error(size, self.n_microbatches)
+        self._check_batch_size(size)
+        if record:
+            self._batch_size = size
+        part, n_parts = self._parts[self.dp_rank] if self._parts else (0, 1)
+        if n_parts > 1:
+            # This replica's contiguous part of the batch its shard delivered (see `shrink(on_release=...)`).
+            n = size // n_parts
+            inputs, target = apply_to_collection((inputs, target), Tensor, lambda t: t.narrow(0, part * n, n))
         return inputs, target
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         assert self.runtime is not None and self.lightning_module is not None
         batch = args[0] if args else kwargs["batch"]
-        inputs, target = self._batch(batch)
+        inputs, target = self._batch(batch, record=True)
         module = self.lightning_module
         params = [p for p in module.parameters() if p.requires_grad]
         for p in params:
@@ -459,8 +580,12 @@ class DynMoStrategy(ParallelStrategy):
         with self._in_phase(f"training step {module.trainer.global_step} (pipeline schedule)"):
             with self.precision_plugin.train_step_context():
                 result = self.runtime.step(inputs, target, train=True)
+            self._ties.reduce_grads(self._slots, self.runtime.plan, self.pp_rank)
             self.schedule_seconds = time.perf_counter() - start
             loss = self._share_loss(result.loss)
+        if self.dp_group is not None:
+            with self._in_phase(f"training step {module.trainer.global_step} (gradient all-reduce over replicas)"):
+                self._average_over_replicas(params, loss)
         # Lightning zeroes gradients between `training_step` and `backward`: park them until `backward`.
         self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
         for p, _ in self._pending_grads:
@@ -544,6 +669,35 @@ class DynMoStrategy(ParallelStrategy):
         last = self.runtime.last_rank
         return dist.get_global_rank(self.pp_group, last) if self.pp_group is not None else last
 
+    def _average_over_replicas(self, params: list[Tensor], loss: Tensor) -> None:
+        """Average gradients (and the logged loss) over the replicas, as DDP does: the mean over the global batch.
+
+        A parameter may have no gradient in one replica and one in another (an expert no token of this replica was
+        routed to): it gets a zero gradient where it has none, unless it has none anywhere (then it stays ``None``,
+        as in a single process).
+        """
+        group, n = self.dp_group, self.dp_size
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=self.root_device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+        grads = []
+        for p, anywhere in zip(params, has.tolist(), strict=True):
+            if anywhere and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if anywhere:
+                grads.append(p.grad)
+        # One flat buffer per dtype: one collective instead of one per parameter.
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for tensors in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(tensors)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            flat.div_(n)
+            for g, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors), strict=True):
+                g.copy_(reduced)
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=group)
+        loss.div_(n)
+
     def _share_loss(self, loss: Tensor | None) -> Tensor:
         """Broadcast the last stage's loss so every process logs (and returns) the same value."""
         out = loss.detach().float().clone() if loss is not None else torch.zeros((), device=self.root_device)
@@ -573,7 +727,9 @@ class DynMoStrategy(ParallelStrategy):
             norms = list(torch._foreach_norm(grads, 2.0)) if grads else []
         gathered: list[Any] = [None] * self.pp_size
         dist.all_gather_object(gathered, list(zip(keys, [float(n) for n in norms], strict=True)), group=self.pp_group)
-        ordered = [n for _, n in sorted(kv for part in gathered for kv in part)]
+        # A tied parameter's copies report the same key (and value): count it once, as the unsplit model does.
+        merged = {key: norm for part in gathered for key, norm in part}
+        ordered = [merged[key] for key in sorted(merged)]
         if not params:
             return
         dtype = grads[0].dtype
@@ -626,7 +782,14 @@ class DynMoStrategy(ParallelStrategy):
             mine[i] = {**dataclasses.asdict(cost), "param_bytes": params, "grad_bytes": grads, "optim_bytes": optim}
         parts: list[Any] = [None] * self.pp_size
         dist.all_gather_object(parts, mine, group=self.pp_group)
-        return {i: v for part in parts for i, v in part.items()}
+        costs = {i: v for part in parts for i, v in part.items()}
+        if self.dp_group is not None:
+            # Replicas measure different data (routing, exits): average them, in replica order, so that every
+            # process of the job holds the same numbers and plans the same partition.
+            replicas: list[Any] = [None] * self.dp_size
+            dist.all_gather_object(replicas, costs, group=self.dp_group)
+            costs = {i: {k: sum(r[i][k] for r in replicas) / len(replicas) for k in costs[i]} for i in sorted(costs)}
+        return costs
 
     def on_layers_changed(self) -> None:
         """Rebuild stages and schedules before the next step (called on every process by dynamics callbacks).
@@ -651,31 +814,41 @@ class DynMoStrategy(ParallelStrategy):
         with self._in_phase(f"layer migration {self.layers_per_stage} -> {lps}"):
             stats = migrate(
                 self._slots,
-                [getattr(o, "_optimizer", o) for o in self.optimizers],
+                self._raw_optimizers(),
                 self.runtime.plan,
                 new,
                 rank=self.pp_rank,
                 group=self.pp_group,
                 device=self.root_device,
             )
+            self._ties.retie(self._slots, self._raw_optimizers())
+            self._ties.prepare(new)
+            self._ties.check_shapes(self._slots, new, self.pp_rank)
         self.runtime.set_plan(new)
         self.partitions.append({"step": self.lightning_module.trainer.global_step, "layers_per_stage": lps})
         return stats
 
     def shrink(self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit") -> MigrationStats:
-        """Consolidate the pipeline onto ``keep_ranks`` and release every other process (collective).
+        """Consolidate every pipeline replica onto pipeline ranks ``keep_ranks``; release the others (collective).
 
         Layers move onto the kept ranks (exactly, with their state); then every process leaves the default process
-        group and the survivors start a new one among themselves, ranked in the order of ``keep_ranks``. Lightning's
-        view follows: world size and ranks come from a :class:`~dynmo_lightning.pipeline.groups.ResizedEnvironment`.
-        A released process leaves ``trainer.fit`` with ``SystemExit(0)``: at once (``on_release="exit"``), or when
-        training ends (``"wait"``: it idles, holding no layers, until rank 0 tears down).
+        group and the survivors start a new one among themselves, replica by replica, in the order of
+        ``keep_ranks``. Lightning's view follows: world size and ranks come from a
+        :class:`~dynmo_lightning.pipeline.groups.ResizedEnvironment`. A released process leaves ``trainer.fit`` with
+        ``SystemExit(0)``: at once (``on_release="exit"``), or when training ends (``"wait"``: it idles, holding no
+        layers, until rank 0 tears down).
+
+        With ``on_release="data_parallel"`` the processes a replica frees form new replicas of the smaller pipeline
+        instead, as many whole pipelines as they make: they receive a copy of every layer (weights, optimizer and
+        dynamic state) from the replica they came from, and the replicas that came from one split its batches into
+        equal parts. The global batch, and so the learning-rate/batch-size relation the user configured, stays as it
+        is; each step's work is divided among more processes. Processes left over are released (they exit).
 
         Args:
             keep_ranks: current pipeline ranks that keep running, ascending, starting with 0 (rank 0 logs and
                 checkpoints, it is never released).
             layers_per_stage: the partition over the kept ranks.
-            on_release: ``"exit"`` or ``"wait"``.
+            on_release: ``"exit"``, ``"wait"`` or ``"data_parallel"``.
         """
         assert self.runtime is not None and self._slots is not None and self.cluster_environment is not None
         if on_release not in ON_RELEASE:
@@ -685,21 +858,31 @@ class DynMoStrategy(ParallelStrategy):
         if not keep_ranks or keep_ranks[0] != 0 or sorted(set(keep_ranks)) != keep_ranks:
             raise ValueError(f"keep_ranks={keep_ranks} must be ascending, distinct and start with rank 0")
         lps = balance.validate_partition(layers_per_stage, self.n_layers, len(keep_ranks))
-        old_rank, old_size = self.pp_rank, self.pp_size
+        old_rank, old_size, me = self.pp_rank, self.pp_size, self.global_rank
+        # Every process must derive the same new layout: agree on the batch size it splits first.
+        self._batch_size = self.broadcast(self._batch_size)
+        replicas, shards, parts, copies = self._regroup(keep_ranks, on_release)
         world_port, control_port, heartbeat_port = share_ports(3)
         target = [0] * old_size
         for stage, rank in enumerate(keep_ranks):
             target[rank] = lps[stage]
-        with self._in_phase(f"consolidation onto ranks {keep_ranks} (layer migration)"):
+        with self._in_phase(f"consolidation onto pipeline ranks {keep_ranks} (layer migration)"):
             stats = migrate(
                 self._slots,
-                [getattr(o, "_optimizer", o) for o in self.optimizers],
+                self._raw_optimizers(),
                 self.runtime.plan,
                 StagePlan(tuple(target), old_size),
                 rank=old_rank,
                 group=self.pp_group,
                 device=self.root_device,
             )
+        if copies:
+            with self._in_phase(f"consolidation: copying layers to {len(replicas) - self.dp_size} new replicas"):
+                copied = replicate(self._slots, self._raw_optimizers(), copies, rank=me, device=self.root_device)
+            stats.bytes_sent += copied.bytes_sent
+            stats.bytes_received += copied.bytes_received
+            stats.seconds += copied.seconds
+        with self._in_phase("consolidation (end of the old process group)"):
             dist.barrier()
         # The old world's heartbeats end with it (released processes fall silent on purpose).
         if self._watchdog is not None:
@@ -709,28 +892,77 @@ class DynMoStrategy(ParallelStrategy):
         dist.destroy_process_group()
         address = self.cluster_environment.main_address
         timeout = self._timeout
-        if old_rank not in keep_ranks:
-            self._release(address, control_port, on_release)
-        new_rank = keep_ranks.index(old_rank)
+        order = [rank for replica in replicas for rank in replica]
+        if me not in order:
+            self._release(address, control_port, "exit" if on_release == "data_parallel" else on_release)
+        new_rank = order.index(me)
         if new_rank == 0 and on_release == "wait":
             self._control = control_store(address, control_port, is_master=True, timeout=timeout)
         restart_world(
             address=address,
             port=world_port,
             rank=new_rank,
-            world_size=len(keep_ranks),
+            world_size=len(order),
             backend=self._process_group_backend or "gloo",
             timeout=timeout,
             device=self.root_device,
         )
-        self.cluster_environment = ResizedEnvironment(self.cluster_environment, len(keep_ranks), new_rank, world_port)
+        self.cluster_environment = ResizedEnvironment(self.cluster_environment, len(order), new_rank, world_port)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._shards, self._parts = shards, parts
+        self._build_mesh([[order.index(r) for r in replica] for replica in replicas])
         self._start_watchdog(heartbeat_port)
-        self.runtime.rank = new_rank
+        self.runtime.rank = self.pp_rank
+        self.runtime.group = self.pp_group
         self.runtime.set_plan(StagePlan(tuple(lps), len(keep_ranks)))
+        self._ties.retie(self._slots, self._raw_optimizers())
+        self._ties.prepare(self.runtime.plan, new_world=True)
         assert self.lightning_module is not None
         self.partitions.append({"step": self.lightning_module.trainer.global_step, "layers_per_stage": lps})
         return stats
+
+    def _regroup(
+        self, keep_ranks: list[int], on_release: str
+    ) -> tuple[list[list[int]], list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """The replicas after a repack onto ``keep_ranks`` (old global ranks), their shards and batch parts.
+
+        Also the ``(src, dst)`` layer copies that make the new replicas.
+        """
+        replicas: list[list[int]] = []
+        shards: list[tuple[int, int]] = []
+        parts: list[tuple[int, int]] = []
+        copies: list[tuple[int, int]] = []
+        p = len(keep_ranks)
+        for d, ranks in enumerate(self._replicas):
+            kept = [ranks[r] for r in keep_ranks]
+            freed = [rank for r, rank in enumerate(ranks) if r not in keep_ranks]
+            part, n_parts = self._parts[d]
+            k = 1
+            if on_release == "data_parallel":
+                k = 1 + len(freed) // p
+                # As many replicas as divide the batch evenly (into whole micro-batches each).
+                while k > 1 and not self._splits_into(n_parts * k):
+                    k -= 1
+            for j in range(k):
+                replica = kept if j == 0 else freed[(j - 1) * p : j * p]
+                replicas.append(replica)
+                shards.append(self._shards[d])
+                parts.append((part * k + j, n_parts * k))
+                if j:
+                    copies += list(zip(kept, replica, strict=True))
+        return replicas, shards, parts, copies
+
+    def _splits_into(self, n_parts: int) -> bool:
+        size = self._batch_size
+        if size is None or size % n_parts or (size // n_parts) % self.n_microbatches:
+            if size is not None:
+                rank_zero_warn(
+                    f"on_release='data_parallel': a batch of {size} samples does not split into {n_parts} parts of "
+                    f"whole micro-batches (strategy.n_microbatches={self.n_microbatches}); fewer released processes "
+                    "become replicas (the rest exit)."
+                )
+            return False
+        return True
 
     def _release(self, address: str, control_port: int, on_release: str) -> None:
         """End this process's part in training: it holds no layers any more (it sent them all)."""
@@ -785,8 +1017,31 @@ class DynMoStrategy(ParallelStrategy):
         return True
 
     def _param_names(self) -> dict[int, str]:
+        """``id(param) -> name`` in the unsplit model (a tied parameter's copies all get the tie's canonical name)."""
         assert self.lightning_module is not None
-        return {id(p): name for name, p in self.lightning_module.named_parameters()}
+        return {id(p): self._ties.canonical(name) for name, p in self.lightning_module.named_parameters()}
+
+    def param_norm(self) -> float:
+        """L2 norm (float64) of all parameters of the unsplit model, across stages (collective).
+
+        Each stage sums its own parameters; a tied parameter, held by several stages, is counted once.
+        """
+        assert self.runtime is not None and self.lightning_module is not None
+        sq = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        for name, p in self.lightning_module.named_parameters():
+            if self._ties.counted_here(name, self.runtime.plan, self.pp_rank):
+                sq += p.detach().to(torch.float64).square().sum()
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return math.sqrt(float(sq))
+
+    def tie_layers(self, param: Tensor) -> set[int]:
+        """Indices of all pipeline layers sharing ``param`` (a local parameter) in the unsplit model; empty if none."""
+        assert self.lightning_module is not None
+        name = next((n for n, p in self.lightning_module.named_parameters() if p is param), None)
+        return self._ties.layers_of(name) if name is not None else set()
+
+    def _raw_optimizers(self) -> list[Optimizer]:
+        return [getattr(o, "_optimizer", o) for o in self.optimizers]
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -796,6 +1051,8 @@ class DynMoStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self.dp_rank != 0:
+            return  # replicas are identical: the first one writes
         part = move_data_to_device(
             {"state_dict": checkpoint.get("state_dict", {}), "optimizer_states": checkpoint.get("optimizer_states")},
             "cpu",
@@ -815,7 +1072,11 @@ class DynMoStrategy(ParallelStrategy):
                 merge_named_optimizer_states([p["optimizer_states"][i] for p in parts])
                 for i in range(len(parts[0]["optimizer_states"]))
             ]
-        checkpoint["dynmo"] = {"partitions": self.partitions, "world_size": self.world_size}
+        checkpoint["dynmo"] = {
+            "partitions": self.partitions,
+            "world_size": self.world_size,
+            "data_parallel_size": self.dp_size,
+        }
         if self.is_global_zero:
             _atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
 

@@ -15,6 +15,7 @@ from dynmo_lightning.callbacks import CostTrace, MixtureOfExperts
 from dynmo_lightning.cli import CONF_DIR
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
+from dynmo_lightning.pipeline.ties import TieError
 from dynmo_lightning.protocol import ProtocolError
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,8 +89,22 @@ def test_parameters_outside_pipeline_layers():
 
 
 def test_min_world_size_above_the_job():
-    with pytest.raises(ValueError, match=r"balancer.min_world_size=2 > the job's 1 processes"):
+    with pytest.raises(ValueError, match=r"balancer.min_world_size=2 > the pipeline's 1 processes"):
         _fit(_gpt(), callbacks=[DynMoBalancer(repack=True, min_world_size=2)])
+
+
+def test_data_parallel_size_not_dividing_the_processes():
+    with pytest.raises(ValueError, match=r"strategy.data_parallel_size=2 does not divide the job's 1 processes"):
+        _fit(_gpt(), strategy=DynMoStrategy(n_microbatches=2, data_parallel_size=2))
+
+
+def test_tie_of_parameters_with_different_shapes():
+    class Declared(GPT):
+        def pipeline_tied_parameters(self):
+            return [["blocks.0.mlp.fc.weight", "blocks.1.mlp.proj.weight"]]  # (64, 16) and (16, 64)
+
+    with pytest.raises(TieError, match=r"tied parameters .* have shapes \(64, 16\) and \(16, 64\)"):
+        _fit(Declared(n_layer=2, n_embd=16, n_head=2, block_size=32, tie_embeddings=False))
 
 
 def test_moe_and_sparse_attention_settings():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch import nn
 
 from dynmo_lightning.protocol import all_gather, local_layers
@@ -35,6 +36,25 @@ def parts(pl_module: pl.LightningModule, part: type[nn.Module]) -> list[tuple[in
     return [(i, m) for i, layer in local_layers(pl_module) for m in layer.modules() if isinstance(m, part)]
 
 
-def gather(local: dict[int, Any]) -> dict[int, Any]:
-    """Merge ``{layer index: value}`` of every process (each holds different layers)."""
-    return {i: v for part_ in all_gather(local) for i, v in part_.items()}
+def gather(local: dict[int, Any], trainer: pl.Trainer) -> dict[int, Any]:
+    """Merge ``{layer index: value}`` of every process (each holds different layers).
+
+    Values are statistics of the data (numbers, tensors or tuples of them): with data-parallel replicas, which see
+    different data, each layer's value is the mean over the replicas (they train on equal numbers of samples).
+    """
+    by_replica = all_gather(local, trainer, replicas=True)
+    merged = [{i: v for part_ in replica for i, v in part_.items()} for replica in by_replica]
+    return {i: _mean([m[i] for m in merged]) for i in merged[0]}
+
+
+def _mean(values: list[Any]) -> Any:
+    if len(values) == 1:
+        return values[0]
+    first = values[0]
+    if isinstance(first, (tuple, list)):
+        return type(first)(_mean(list(parts)) for parts in zip(*values, strict=True))
+    if isinstance(first, torch.Tensor):
+        return torch.stack([v.float() for v in values]).mean(0)
+    if isinstance(first, (int, float)):
+        return sum(values) / len(values)
+    return first

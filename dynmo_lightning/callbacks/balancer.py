@@ -51,9 +51,11 @@ class DynMoBalancer(Callback):
         repack: after each check, consolidate onto the fewest processes predicted within ``repack_tolerance`` of
             the current step time, and release the others (see :meth:`DynMoStrategy.shrink`).
         repack_tolerance: accepted relative slow-down of a repack (0.05: 5 %).
-        min_world_size: never consolidate below this many processes.
-        on_release: what a released process does: ``"exit"`` (leave ``fit`` and exit with status 0 now) or
-            ``"wait"`` (idle, holding no memory for layers, until training ends).
+        min_world_size: never consolidate a pipeline below this many processes.
+        on_release: what a released process does: ``"exit"`` (leave ``fit`` and exit with status 0 now),
+            ``"wait"`` (idle, holding no memory for layers, until training ends) or ``"data_parallel"`` (released
+            processes that make a whole pipeline become a new data-parallel replica, splitting the batch of the
+            replica they came from: same global batch, more throughput; the rest exit).
     """
 
     def __init__(
@@ -123,9 +125,9 @@ class DynMoBalancer(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._bound = self._strategy(trainer)
-        if self.repack and self.min_world_size > trainer.world_size:
+        if self.repack and self.min_world_size > self._bound.pp_size:
             raise ValueError(
-                f"balancer.min_world_size={self.min_world_size} > the job's {trainer.world_size} processes: "
+                f"balancer.min_world_size={self.min_world_size} > the pipeline's {self._bound.pp_size} processes: "
                 "lower it (or start more processes)"
             )
         if self.repack and self._bound.stages_per_rank != 1:
@@ -192,6 +194,9 @@ class DynMoBalancer(Callback):
         plan_s = time.perf_counter() - t0
         current = strategy.layers_per_stage
         migrate, saving = self._decide(strategy, current, proposed)
+        # Decided once, by global rank 0, for every process of the job: the inputs agree (costs are gathered), but
+        # the bandwidth estimate is each process's own timing, and a split decision would deadlock the migration.
+        migrate, proposed, saving = strategy.broadcast((migrate, proposed, saving))
         self.planned_once = True
         migrate_s, moved = 0.0, 0
         if migrate and proposed != current:
@@ -235,9 +240,10 @@ class DynMoBalancer(Callback):
             memory=memory,
             capacity=capacity,
         )
+        plan = strategy.broadcast(plan)  # one decision for all replicas (see `_check`)
         if plan is None:
             return
-        world_before = strategy.pp_size
+        world_before = strategy.world_size
         self.history.append(
             {
                 "step": trainer.global_step,
@@ -250,8 +256,10 @@ class DynMoBalancer(Callback):
         stats = strategy.shrink(plan.keep_ranks, plan.layers_per_stage, on_release=self.on_release)
         pl_module.log_dict(
             {
-                "balancer/world_size": float(strategy.pp_size),
-                "balancer/released": float(world_before - strategy.pp_size),
+                "balancer/world_size": float(strategy.world_size),
+                "balancer/pipeline_size": float(strategy.pp_size),
+                "balancer/replicas": float(strategy.dp_size),
+                "balancer/released": float(world_before - strategy.world_size),
                 "balancer/repack_ms": 1e3 * stats.seconds,
             },
             on_step=True,

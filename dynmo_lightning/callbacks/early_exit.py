@@ -89,7 +89,7 @@ class TokenEarlyExit(Callback):
         local = {i: (gate.exited, gate.processed) for i, gate in self._gates(pl_module)}
         for _, gate in self._gates(pl_module):
             gate.exited = gate.processed = 0
-        counts = gather(local)
+        counts = gather(local, trainer)
         tokens = max((p for _, p in counts.values()), default=0)  # every token is active at the first gate
         if not tokens:
             return

@@ -8,10 +8,12 @@ moving are done learning. ``mode="schedule"`` freezes layer ``i`` at a fixed ste
 The head (last layer) is never frozen; ``max_frozen_fraction`` caps the prefix.
 
 Why the saving is real: a frozen layer's parameters get ``requires_grad=False`` and leave the optimizer (their state
-is dropped). Because everything in front of it is frozen too, nothing that enters the prefix requires grad, so
-autograd records nothing there: no activations are kept and there is no backward at all; a pipeline stage made only
-of frozen layers runs forward only (its output carries no gradient, and the strategy rebuilds the stages when the
-prefix grows). The frozen flag lives on the layer (``layer.pipeline_frozen``), so it moves with the layer.
+is dropped) — except a parameter tied to a layer that keeps training (a token embedding tied to the head), which
+keeps learning through that layer. Because everything in front of a frozen layer is frozen too, nothing that enters
+the prefix requires grad, so autograd records nothing there: no activations are kept and there is no backward at all;
+a pipeline stage made only of frozen layers runs forward only (its output carries no gradient, and the strategy
+rebuilds the stages when the prefix grows). The frozen flag lives on the layer (``layer.pipeline_frozen``), so it
+moves with the layer.
 """
 
 from __future__ import annotations
@@ -158,10 +160,13 @@ class LayerFreezing(Callback):
         if self.frozen == self._applied:
             return
         newly = []
+        shared_with = _sharing(trainer, pl_module)
         for i, layer in local_layers(pl_module):
             if self._applied <= i < self.frozen:
                 layer.pipeline_frozen = True
                 for p in layer.parameters():
+                    if any(j >= self.frozen for j in shared_with(p)):
+                        continue  # tied with a layer that keeps training (an embedding tied to the head)
                     p.requires_grad_(False)
                     p.grad = None
                     newly.append(p)
@@ -191,4 +196,16 @@ class LayerFreezing(Callback):
 def _gather_windows(pl_module: pl.LightningModule) -> dict[int, float]:
     """Every layer's window sum, from all processes (layers that never had a gradient are absent)."""
     local = {i: getattr(layer, _WINDOW) for i, layer in local_layers(pl_module) if hasattr(layer, _WINDOW)}
-    return {i: v for part in all_gather(local) for i, v in part.items()}
+    return {i: v for part in all_gather(local, pl_module.trainer) for i, v in part.items()}
+
+
+def _sharing(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """``param -> indices of the layers sharing it``: from a pipeline strategy (which sees all stages), or locally."""
+    tie_layers = getattr(trainer.strategy, "tie_layers", None)
+    if callable(tie_layers):
+        return tie_layers
+    owners: dict[int, set[int]] = {}
+    for i, layer in local_layers(pl_module):
+        for p in layer.parameters():
+            owners.setdefault(id(p), set()).add(i)
+    return lambda p: owners.get(id(p), set())

@@ -94,6 +94,6 @@ class MixtureOfDepths(Callback):
         local = {i: (r.routed, r.seen) for i, r in parts(pl_module, DepthRouter)}
         for _, router in parts(pl_module, DepthRouter):
             router.routed = router.seen = 0
-        metrics = {f"dynamics/routed_frac_block{i}": r / s for i, (r, s) in sorted(gather(local).items()) if s}
+        metrics = {f"dynamics/routed_frac_block{i}": r / s for i, (r, s) in sorted(gather(local, trainer).items()) if s}
         metrics["dynamics/capacity"] = self.capacity_at(trainer.global_step)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)

@@ -73,7 +73,7 @@ class MixtureOfExperts(Callback):
             return
         local = {i: (list(m.tokens_per_expert), m.drop_fraction) for i, m in parts(pl_module, MoEMLP)}
         metrics = {}
-        for i, (tokens, dropped) in sorted(gather(local).items()):
+        for i, (tokens, dropped) in sorted(gather(local, trainer).items()):
             metrics[f"dynamics/moe_drop_frac_layer{i}"] = float(dropped)
             if sum(tokens):
                 metrics[f"dynamics/moe_max_load_layer{i}"] = max(tokens) / sum(tokens)

@@ -158,7 +158,7 @@ class GradualPruning(Callback):
             if isinstance(m, PrunableUnits)
         }
         scores = {key: (m.unit_kind, m.initial_units, m.unit_scores().float().cpu()) for key, m in modules.items()}
-        everyone = {key: value for part in all_gather(scores) for key, value in part.items()}
+        everyone = {key: value for part in all_gather(scores, pl_module.trainer) for key, value in part.items()}
         keep = self._units_to_keep(everyone, target)
         for key, m in modules.items():
             if len(keep[key]) < len(everyone[key][2]):
@@ -196,7 +196,7 @@ class GradualPruning(Callback):
         weights = _prunable_weights(pl_module)
         if self.scope == "global":
             local = torch.cat([w.detach().abs().flatten().float().cpu() for w in weights]) if weights else None
-            magnitudes = torch.cat([m for m in all_gather(local) if m is not None])
+            magnitudes = torch.cat([m for m in all_gather(local, pl_module.trainer) if m is not None])
             k = int(target * magnitudes.numel())
             threshold = float(magnitudes.kthvalue(k).values) if k > 0 else -1.0
             thresholds = [threshold] * len(weights)

@@ -60,7 +60,7 @@ class DynamicSparseAttention(Callback):
             return
         local = {i: (float(m.density), m.last_coverage) for i, m in parts(pl_module, SparseCausalSelfAttention)}
         metrics = {}
-        for i, (density, coverage) in sorted(gather(local).items()):
+        for i, (density, coverage) in sorted(gather(local, trainer).items()):
             metrics[f"dynamics/attn_density_layer{i}"] = density
             if not math.isnan(coverage):
                 metrics[f"dynamics/attn_coverage_layer{i}"] = coverage

@@ -10,7 +10,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -20,8 +19,9 @@ class RunSummary(Callback):
 
     Keys: ``steps``, ``losses`` (one per optimizer step), ``final_loss``, ``val_loss``, ``tokens_per_s`` (training
     tokens per second of training time, validation excluded), ``world_size_start``, ``world_size_end``, ``world_size``
-    (``[{"step", "world_size"}]``), ``partitions`` (``[{"step", "layers_per_stage"}]``, from the strategy when it
-    splits the model), ``param_norm`` (float64 L2 norm of all final parameters, across pipeline stages).
+    (``[{"step", "world_size", "replicas"}]``: every change), ``replicas_end`` (data-parallel replicas at the end),
+    ``partitions`` (``[{"step", "layers_per_stage"}]``, from the strategy when it splits the model), ``param_norm``
+    (float64 L2 norm of all final parameters, across pipeline stages).
 
     Args:
         run_dir: directory of the run.
@@ -40,7 +40,7 @@ class RunSummary(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.world_size_start = trainer.world_size
-        self.world_sizes = [{"step": trainer.global_step, "world_size": trainer.world_size}]
+        self.world_sizes = [_world(trainer)]
         self._t0 = time.perf_counter()
 
     @override
@@ -53,8 +53,8 @@ class RunSummary(Callback):
         # Data-parallel replicas each consume their own batch; pipeline stages of one replica share one.
         replicas = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)
         self.tokens += int(inputs.numel()) * int(replicas)
-        if self.world_sizes and self.world_sizes[-1]["world_size"] != trainer.world_size:
-            self.world_sizes.append({"step": trainer.global_step, "world_size": trainer.world_size})
+        if self.world_sizes and {**self.world_sizes[-1], "step": trainer.global_step} != _world(trainer):
+            self.world_sizes.append(_world(trainer))
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -86,6 +86,7 @@ class RunSummary(Callback):
             "world_size_start": self.world_size_start,
             "world_size_end": trainer.world_size,
             "world_size": self.world_sizes,
+            "replicas_end": _world(trainer)["replicas"],
             "partitions": list(getattr(trainer.strategy, "partitions", [])),
             "param_norm": norm,
         }
@@ -94,13 +95,15 @@ class RunSummary(Callback):
             json.dump(summary, f, indent=2)
 
 
+def _world(trainer: pl.Trainer) -> dict[str, int]:
+    """The job's size now: processes and data-parallel replicas of the pipeline."""
+    replicas = int(getattr(trainer.strategy, "dp_size", 1))
+    return {"step": trainer.global_step, "world_size": trainer.world_size, "replicas": replicas}
+
+
 def _param_norm(trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
-    """L2 norm of all parameters in float64; a pipeline strategy holds disjoint parameters per stage: sum them."""
-    device = trainer.strategy.root_device
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    for p in pl_module.parameters():
-        sq += p.detach().to(torch.float64).square().sum().to(device)
-    group = getattr(trainer.strategy, "pp_group", None)
-    if hasattr(trainer.strategy, "pp_group") and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-    return math.sqrt(float(sq))
+    """L2 norm (float64) of all parameters: a pipeline strategy sums its stages' (tied parameters once)."""
+    across_stages = getattr(trainer.strategy, "param_norm", None)
+    if callable(across_stages):
+        return across_stages()
+    return math.sqrt(sum(float(p.detach().to(torch.float64).square().sum()) for p in pl_module.parameters()))

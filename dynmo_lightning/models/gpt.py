@@ -271,7 +271,22 @@ class GPT(PipelineModule):
         lr_decay_steps: cosine decay length after warm-up; ``None`` keeps the peak rate after warm-up.
         min_lr_ratio: the floor of the cosine decay as a fraction of ``lr``.
         init_seed: base seed of the per-layer initialisation.
-
+        early_exit: give every block an exit gate (token early exit; the ``TokenEarlyExit`` callback sets the
+            thresholds). Activations then carry the active-token mask.
+        mod_every: Mixture of Depths on every ``mod_every``-th block (0: off).
+        mod_capacity: fraction of tokens a routed block processes (the ``MixtureOfDepths`` callback schedules it).
+        n_experts: experts of the Mixture-of-Experts MLP (1: dense MLPs).
+        moe_every: which blocks get the MoE MLP (every ``moe_every``-th).
+        moe_top_k: experts per token (1 = Switch, 2 = GShard).
+        moe_capacity_factor: expert capacity factor (``None``: dropless).
+        moe_aux_coef: weight of the load-balancing loss.
+        moe_z_coef: weight of the router z-loss.
+        attention: ``"dense"`` or ``"sparse"`` (dynamic block-sparse causal attention).
+        attn_block: block size of sparse attention (must divide the sequence length).
+        attn_density: initial fraction of key blocks each query block keeps (1: dense).
+        attn_target_coverage: adapt each layer's density toward this attention-mass coverage (``None``: fixed).
+        tie_embeddings: share the token embedding with the output projection (as GPT-2); under a pipeline the
+            first and last stages each hold a copy, kept identical (see :mod:`dynmo_lightning.pipeline.ties`).
     """
 
     def __init__(
@@ -304,6 +319,7 @@ class GPT(PipelineModule):
         attn_block: int = 64,
         attn_density: float = 1.0,
         attn_target_coverage: float | None = None,
+        tie_embeddings: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -322,6 +338,8 @@ class GPT(PipelineModule):
         ratios = hp.mlp_ratio if isinstance(hp.mlp_ratio, (list, tuple)) else [hp.mlp_ratio] * hp.n_layer
         self.blocks = nn.ModuleList(self._block(i, r * hp.n_embd) for i, r in enumerate(ratios))
         self.head = Head(hp.n_embd, hp.vocab_size, hp.bias)
+        if hp.tie_embeddings:
+            self.head.lm_head.weight = self.embed.wte.weight
         for i, layer in enumerate(self.pipeline_layers()):
             if not any(p.is_meta for p in layer.parameters()):
                 init_layer(self, i, layer, self.pipeline_init_seed)
@@ -439,6 +457,8 @@ class GPT(PipelineModule):
         """GPT-2 initialisation; residual projections are scaled down by ``1/sqrt(2 * n_layer)``."""
         std = 0.02
         for name, p in layer.named_parameters():
+            if isinstance(layer, Head) and name == "lm_head.weight" and self.hparams.tie_embeddings:
+                continue  # the embedding's initialisation is the tie's value
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.hparams.n_layer))
             elif p.dim() >= 2:
@@ -461,8 +481,13 @@ class GPT(PipelineModule):
         """
         hp = self.hparams
         decay, no_decay = [], []
+        # Embeddings are not decayed, the tied output projection included: a stage holding only the head (a copy of
+        # the tie) must put it in the same group as the stage holding the embedding.
+        embeddings = {"embed.wte.weight", "embed.wpe.weight"}
+        if hp.tie_embeddings:
+            embeddings.add("head.lm_head.weight")
         for name, p in self.named_parameters():
-            is_matrix = p.dim() >= 2 and ".wte." not in f".{name}" and ".wpe." not in f".{name}"
+            is_matrix = p.dim() >= 2 and name not in embeddings
             (decay if is_matrix else no_decay).append(p)
         optimizer = torch.optim.AdamW(
             [

@@ -198,9 +198,51 @@ def _add_to_optimizers(layer: nn.Module, entries: dict[str, tuple[int, int, dict
     params = dict(layer.named_parameters())
     for name, (o, g, state) in entries.items():
         p = params[name]
-        optimizers[o].param_groups[g]["params"].append(p)
+        group = optimizers[o].param_groups[g]["params"]
+        if any(q is p for q in group):
+            continue  # a parameter shared by layers that arrived together (a tie) is optimized once
+        group.append(p)
         if state:
             optimizers[o].state[p] = state
+
+
+def _send_layers(
+    slots: LayerSlots,
+    optimizers: Sequence[Optimizer],
+    indices: Sequence[int],
+    peer: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> int:
+    """Send layers ``indices`` with their optimizer entries to global rank ``peer``; returns the bytes sent."""
+    payload = {i: (slots.get(i), _optimizer_entries(slots.get(i), optimizers)) for i in indices}
+    blob, tensors = _pack(payload, device)
+    header = (blob, [(t.dtype, tuple(t.shape)) for t in tensors])
+    dist.send_object_list([header], dst=peer, group=group, device=device if device.type == "cuda" else None)
+    if tensors:
+        _send_tensors(tensors, peer, group)
+    return len(blob) + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _recv_layers(
+    peer: int, group: dist.ProcessGroup | None, device: torch.device
+) -> tuple[dict[int, tuple[nn.Module, dict]], int]:
+    """Receive what :func:`_send_layers` sent: ``{index: (layer, optimizer entries)}`` and the bytes received."""
+    header: list[Any] = [None]
+    dist.recv_object_list(header, src=peer, group=group, device=device if device.type == "cuda" else None)
+    blob, specs = header[0]
+    # Large tensors are received straight into their final memory.
+    tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
+    if tensors:
+        _recv_tensors(tensors, peer, group)
+    return _unpack(blob, tensors), len(blob) + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _commit_flag(ok: bool, device: torch.device, group: dist.ProcessGroup | None) -> bool:
+    """Whether every process of ``group`` succeeded (phase one of a two-phase change)."""
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def migrate(
@@ -234,7 +276,6 @@ def migrate(
     moves = plan_moves(old, new)
     stats = MigrationStats(moves)
     received: dict[int, tuple[nn.Module, dict]] = {}
-    object_device = device if device.type == "cuda" else None
 
     def global_rank(pp_rank: int) -> int:
         return dist.get_global_rank(group, pp_rank) if group is not None else pp_rank
@@ -247,39 +288,74 @@ def migrate(
         try:
             peer = global_rank(move.dst if rank == move.src else move.src)
             if rank == move.src:
-                payload = {i: (slots.get(i), _optimizer_entries(slots.get(i), optimizers)) for i in move.layers}
-                blob, tensors = _pack(payload, device)
-                header = (blob, [(t.dtype, tuple(t.shape)) for t in tensors])
-                dist.send_object_list([header], dst=peer, group=group, device=object_device)
-                if tensors:
-                    _send_tensors(tensors, peer, group)
-                stats.bytes_sent += len(blob) + sum(t.numel() * t.element_size() for t in tensors)
+                stats.bytes_sent += _send_layers(slots, optimizers, move.layers, peer, group, device)
             else:
-                header: list[Any] = [None]
-                dist.recv_object_list(header, src=peer, group=group, device=object_device)
-                blob, specs = header[0]
-                # Large tensors are received straight into their final memory.
-                tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
-                if tensors:
-                    _recv_tensors(tensors, peer, group)
-                received.update(_unpack(blob, tensors))
-                stats.bytes_received += len(blob) + sum(t.numel() * t.element_size() for t in tensors)
+                layers, size = _recv_layers(peer, group, device)
+                received.update(layers)
+                stats.bytes_received += size
         except Exception as e:
             ok, error = False, e
             break
     # Phase two: commit only if every process holds what it must.
-    flag = torch.tensor([1 if ok else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    if not bool(flag.item()):
+    if not _commit_flag(ok, device, group):
         raise RuntimeError(
             f"layer migration {list(old.layers_per_stage)} -> {list(new.layers_per_stage)} failed on "
             f"{'this process' if not ok else 'another process'}; nothing was changed"
         ) from error
-    for move in moves:
-        if rank == move.src:
-            for i in move.layers:
-                drop_params(slots.get(i).parameters(), optimizers)
-                slots.remove(i)
+    leaving = {i for move in moves if rank == move.src for i in move.layers}
+    staying = {id(p) for i in slots.local_indices() if i not in leaving for p in slots.get(i).parameters()}
+    for i in sorted(leaving):
+        # A parameter shared with a layer that stays (a tie) stays in the optimizer; the moving layer takes a copy.
+        drop_params([p for p in slots.get(i).parameters() if id(p) not in staying], optimizers)
+        slots.remove(i)
+    for i, (module, entries) in sorted(received.items()):
+        slots.install(i, module)
+        _add_to_optimizers(module, entries, optimizers)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def replicate(
+    slots: LayerSlots,
+    optimizers: Sequence[Optimizer],
+    copies: Sequence[tuple[int, int]],
+    *,
+    rank: int,
+    device: torch.device,
+) -> MigrationStats:
+    """Copy every layer of each ``src`` to ``dst`` (global ranks), with optimizer state; collective over the world.
+
+    A new data-parallel replica is made this way from a live one: the receiver must hold no layers; the sender keeps
+    its own. Two-phase as :func:`migrate`: receivers install what they got only when every copy arrived everywhere.
+
+    Args:
+        slots: the model's layers on this process.
+        optimizers: the optimizers holding the local parameters (receivers' are updated in place).
+        copies: ``(src, dst)`` pairs of global ranks, the same list on every process.
+        rank: this process's global rank.
+        device: the device layers live on (and tensors travel on).
+    """
+    t0 = time.perf_counter()
+    stats = MigrationStats(moves=[])
+    received: dict[int, tuple[nn.Module, dict]] = {}
+    ok, error = True, None
+    try:
+        for src, dst in copies:
+            if rank == src:
+                stats.bytes_sent += _send_layers(slots, optimizers, slots.local_indices(), dst, None, device)
+            elif rank == dst:
+                if slots.local_indices():
+                    raise RuntimeError(f"rank {dst} still holds layers {slots.local_indices()}; it cannot take a copy")
+                layers, size = _recv_layers(src, None, device)
+                received.update(layers)
+                stats.bytes_received += size
+    except Exception as e:
+        ok, error = False, e
+    if not _commit_flag(ok, device, None):
+        raise RuntimeError(
+            f"copying layers to new replicas {list(copies)} failed on "
+            f"{'this process' if not ok else 'another process'}; nothing was changed"
+        ) from error
     for i, (module, entries) in sorted(received.items()):
         slots.install(i, module)
         _add_to_optimizers(module, entries, optimizers)

@@ -48,7 +48,7 @@ def _data() -> StdlibCharDataModule:
 
 
 def test_frozen_prefix_leaves_optimizer_and_costs_only_its_forward(tmp_path):
-    model = GPT(n_layer=3, n_embd=32, n_head=4, block_size=32)
+    model = GPT(n_layer=3, n_embd=32, n_head=4, block_size=32, tie_embeddings=False)
     freezing = LayerFreezing(mode="schedule", schedule={0: 2, 1: 2, 2: 3}, start_step=0)
     profile = ProfileLast(5)
     trainer = _trainer(6, [freezing, profile], enable_checkpointing=False)
@@ -69,8 +69,18 @@ def test_frozen_prefix_leaves_optimizer_and_costs_only_its_forward(tmp_path):
         assert profile.costs[i]["bwd"] > 0 and profile.costs[i]["activation_bytes"] > 0
 
 
+def test_a_frozen_embedding_tied_to_the_head_keeps_learning():
+    model = GPT(n_layer=2, n_embd=32, n_head=4, block_size=32)  # tied embeddings
+    freezing = LayerFreezing(mode="schedule", schedule={0: 1, 1: 1}, start_step=0)
+    trainer = _trainer(4, [freezing], enable_checkpointing=False)
+    trainer.fit(model, datamodule=_data())
+    embed = model.pipeline_layers()[0]
+    assert embed.pipeline_frozen and not embed.wpe.weight.requires_grad
+    assert embed.wte.weight.requires_grad and embed.wte.weight is model.head.lm_head.weight
+
+
 def test_auto_freezing_state_survives_checkpoint(tmp_path):
-    model = GPT(n_layer=4, n_embd=32, n_head=4, block_size=32)
+    model = GPT(n_layer=4, n_embd=32, n_head=4, block_size=32, tie_embeddings=False)
     freezing = LayerFreezing(check_every_n_steps=5, start_step=5, percentile=90.0)
     trainer = _trainer(30, [freezing], default_root_dir=tmp_path)
     trainer.fit(model, datamodule=_data())
@@ -81,7 +91,7 @@ def test_auto_freezing_state_survives_checkpoint(tmp_path):
     assert state["frozen"] == freezing.frozen and state["previous"]
 
     resumed_freezing = LayerFreezing(check_every_n_steps=5, start_step=5, percentile=90.0)
-    fresh = GPT(n_layer=4, n_embd=32, n_head=4, block_size=32)
+    fresh = GPT(n_layer=4, n_embd=32, n_head=4, block_size=32, tie_embeddings=False)
     trainer = _trainer(31, [resumed_freezing], default_root_dir=tmp_path)
     trainer.fit(fresh, datamodule=_data(), ckpt_path=path)
     assert resumed_freezing.frozen >= freezing.frozen
@@ -107,7 +117,7 @@ def test_bad_freezing_settings(kwargs, match):
 
 
 def test_freezing_works_without_dynmo_strategy():
-    model = GPT(n_layer=2, n_embd=32, n_head=4, block_size=32)
+    model = GPT(n_layer=2, n_embd=32, n_head=4, block_size=32, tie_embeddings=False)
     freezing = LayerFreezing(mode="schedule", schedule={0: 1}, start_step=0)
     trainer = L.Trainer(
         accelerator="cpu",
