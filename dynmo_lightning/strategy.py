@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import math
 import os
 import time
@@ -179,7 +180,7 @@ class DynMoStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.runtime: PipelineRuntime | None = None
         self._slots: LayerSlots | None = None
-        self._ties = TiedParameters([], self._layout)
+        self._ties = TiedParameters([], self._layout, self._timeout)
         #: Global ranks of every pipeline replica, by pipeline rank (the rows of the device mesh).
         self._replicas: list[list[int]] = []
         #: Per replica: ``(shard, n_shards)`` the sampler gives it and ``(part, n_parts)`` of that shard's batches it
@@ -429,6 +430,8 @@ class DynMoStrategy(ParallelStrategy):
         )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            with self._in_phase("set-up (tied parameters' optimizer settings)"):
+                self._ties.check_shapes(self._slots, self.runtime.plan, self.pp_rank, self._raw_optimizers())
         self.setup_precision_plugin()
         # Clipping by norm must use the norm over all stages' gradients, as the unsplit model would.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
@@ -477,7 +480,7 @@ class DynMoStrategy(ParallelStrategy):
         self._param_order = [name for name, _ in module.named_parameters()]
         slots = LayerSlots(module, layers)
         # Found before the split: materialising or dropping layers separates what they share.
-        self._ties = TiedParameters(find_ties(module, layers, slots.names), self._layout)
+        self._ties = TiedParameters(find_ties(module, layers, slots.names), self._layout, self._timeout)
         mine = set(plan.layers_of_rank(self.pp_rank))
         seed = int(getattr(module, "pipeline_init_seed", 0))
         for i in range(len(layers)):
@@ -528,7 +531,7 @@ class DynMoStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None:
-            self._check_batch_sizes(trainer.train_dataloader)
+            self._check_batch_sizes(trainer.train_dataloader, train=True)
 
     @override
     def on_validation_start(self) -> None:
@@ -536,15 +539,19 @@ class DynMoStrategy(ParallelStrategy):
         if trainer is not None:
             self._check_batch_sizes(trainer.val_dataloaders)
 
-    def _check_batch_sizes(self, loaders: Any) -> None:
+    def _check_batch_sizes(self, loaders: Any, *, train: bool = False) -> None:
         """Refuse a dataloader whose batches cannot split into micro-batches before any process runs a step."""
         for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
             size = getattr(loader, "batch_size", None)
             if isinstance(size, int):
-                self._check_batch_size(size)
+                self._check_batch_size(size, self._n_parts if train else 1)
 
-    def _check_batch_size(self, size: int) -> None:
-        _, n_parts = self._parts[self.dp_rank] if self._parts else (0, 1)
+    @property
+    def _n_parts(self) -> int:
+        """Into how many parts this replica's shard's training batches are split (1 unless replicas were grown)."""
+        return self._parts[self.dp_rank][1] if self._parts else 1
+
+    def _check_batch_size(self, size: int, n_parts: int) -> None:
         if size % n_parts:
             raise ValueError(
                 f"A batch of {size} samples does not split into the {n_parts} replicas that share it (released "
@@ -554,15 +561,16 @@ class DynMoStrategy(ParallelStrategy):
         if (size // n_parts) % self.n_microbatches:
             raise micro_batch_error(size // n_parts, self.n_microbatches)
 
-    def _batch(self, batch: Any, *, record: bool = False) -> tuple[Any, Tensor]:
+    def _batch(self, batch: Any, *, train: bool = False) -> tuple[Any, Tensor]:
         inputs, target = split_batch(self.lightning_module, batch)
         size = first_dim(inputs)
-        self._check_batch_size(size)
-        if record:
+        part, n_parts = self._parts[self.dp_rank] if self._parts and train else (0, 1)
+        self._check_batch_size(size, n_parts)
+        if train:
             self._batch_size = size
-        part, n_parts = self._parts[self.dp_rank] if self._parts else (0, 1)
         if n_parts > 1:
-            # This replica's contiguous part of the batch its shard delivered (see `shrink(on_release=...)`).
+            # This replica's contiguous part of the training batch its shard delivered (see `shrink`). Evaluation
+            # batches are not split: replicas of one shard evaluate the same batch, which weighs equally in the mean.
             n = size // n_parts
             inputs, target = apply_to_collection((inputs, target), Tensor, lambda t: t.narrow(0, part * n, n))
         return inputs, target
@@ -571,7 +579,7 @@ class DynMoStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         assert self.runtime is not None and self.lightning_module is not None
         batch = args[0] if args else kwargs["batch"]
-        inputs, target = self._batch(batch, record=True)
+        inputs, target = self._batch(batch, train=True)
         module = self.lightning_module
         params = [p for p in module.parameters() if p.requires_grad]
         for p in params:
@@ -586,6 +594,7 @@ class DynMoStrategy(ParallelStrategy):
         if self.dp_group is not None:
             with self._in_phase(f"training step {module.trainer.global_step} (gradient all-reduce over replicas)"):
                 self._average_over_replicas(params, loss)
+                self._sync_replica_buffers()
         # Lightning zeroes gradients between `training_step` and `backward`: park them until `backward`.
         self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
         for p, _ in self._pending_grads:
@@ -697,6 +706,51 @@ class DynMoStrategy(ParallelStrategy):
                 g.copy_(reduced)
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=group)
         loss.div_(n)
+
+    def _sync_replica_buffers(self) -> None:
+        """Average the persistent floating-point buffers that differ between replicas (exactly kept where equal).
+
+        Dynamic layers adapt buffers to the data they see (e.g. a sparse attention's density): without this, the
+        replicas would drift apart; with it they follow the mean, as one replica seeing the global batch would.
+        """
+        assert self._slots is not None
+        buffers = [
+            t
+            for i in self._slots.local_indices()
+            for t in self._slots.get(i).state_dict(keep_vars=True).values()
+            if not isinstance(t, torch.nn.Parameter) and t.is_floating_point()
+        ]
+        if not buffers:
+            return
+        group, n = self.dp_group, self.dp_size
+        flat = torch._utils._flatten_dense_tensors([b.detach() for b in buffers]).float()
+        low, high, total = flat.clone(), flat.clone(), flat.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        if torch.equal(low, high):
+            return
+        merged = torch.where(low == high, flat, total / n)
+        with torch.no_grad():
+            for b, value in zip(buffers, torch._utils._unflatten_dense_tensors(merged, buffers), strict=True):
+                b.copy_(value.to(b.dtype))
+
+    def replicas_in_sync(self) -> bool:
+        """Whether every replica holds bit-identical parameters and persistent buffers (collective over the job)."""
+        module = self.lightning_module
+        assert module is not None
+        ok = True
+        if self.dp_group is not None:
+            digest = hashlib.sha256()
+            for name, t in sorted(module.state_dict().items()):
+                digest.update(name.encode())
+                digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            found: list[Any] = [None] * self.dp_size
+            dist.all_gather_object(found, digest.hexdigest(), group=self.dp_group)
+            ok = len(set(found)) == 1
+        flag = torch.tensor([1 if ok else 0], device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _share_loss(self, loss: Tensor | None) -> Tensor:
         """Broadcast the last stage's loss so every process logs (and returns) the same value."""
@@ -823,7 +877,7 @@ class DynMoStrategy(ParallelStrategy):
             )
             self._ties.retie(self._slots, self._raw_optimizers())
             self._ties.prepare(new)
-            self._ties.check_shapes(self._slots, new, self.pp_rank)
+            self._ties.check_shapes(self._slots, new, self.pp_rank, self._raw_optimizers())
         self.runtime.set_plan(new)
         self.partitions.append({"step": self.lightning_module.trainer.global_step, "layers_per_stage": lps})
         return stats
@@ -1075,7 +1129,9 @@ class DynMoStrategy(ParallelStrategy):
         checkpoint["dynmo"] = {
             "partitions": self.partitions,
             "world_size": self.world_size,
-            "data_parallel_size": self.dp_size,
+            # How the data was divided: sampler shards, and the replicas that split each shard's batches.
+            "data_parallel_size": self._shards[0][1] if self._shards else 1,
+            "replicas": self.dp_size,
         }
         if self.is_global_zero:
             _atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
@@ -1097,6 +1153,15 @@ class DynMoStrategy(ParallelStrategy):
             ) from e
         if "state_dict" not in checkpoint:
             raise ValueError(f"ckpt_path={os.fspath(checkpoint_path)} has no 'state_dict': not a training checkpoint")
+        saved = checkpoint.get("dynmo", {})
+        shards, replicas = saved.get("data_parallel_size", 1), saved.get("replicas", 1)
+        if replicas != shards and replicas != self.dp_size:
+            rank_zero_warn(
+                f"{os.fspath(checkpoint_path)} was written by {replicas} replicas that split the batches of "
+                f"{shards} data shard(s) (released processes had become replicas). This job runs {self.dp_size} "
+                f"replica(s) with data.batch_size per replica: to keep the global batch of the saved run, use "
+                f"strategy.data_parallel_size={replicas} and divide data.batch_size by {replicas // max(shards, 1)}."
+            )
         return checkpoint
 
     @override

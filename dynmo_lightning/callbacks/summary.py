@@ -20,8 +20,9 @@ class RunSummary(Callback):
     Keys: ``steps``, ``losses`` (one per optimizer step), ``final_loss``, ``val_loss``, ``tokens_per_s`` (training
     tokens per second of training time, validation excluded), ``world_size_start``, ``world_size_end``, ``world_size``
     (``[{"step", "world_size", "replicas"}]``: every change), ``replicas_end`` (data-parallel replicas at the end),
-    ``partitions`` (``[{"step", "layers_per_stage"}]``, from the strategy when it splits the model), ``param_norm``
-    (float64 L2 norm of all final parameters, across pipeline stages).
+    ``replicas_in_sync`` (whether all replicas ended with bit-identical parameters and buffers), ``partitions``
+    (``[{"step", "layers_per_stage"}]``, from the strategy when it splits the model), ``param_norm`` (float64 L2 norm
+    of all final parameters, across pipeline stages).
 
     Args:
         run_dir: directory of the run.
@@ -74,6 +75,8 @@ class RunSummary(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pause()
         norm = _param_norm(trainer, pl_module)
+        in_sync = getattr(trainer.strategy, "replicas_in_sync", None)
+        replicas_in_sync = in_sync() if callable(in_sync) else True
         if not trainer.is_global_zero:
             return
         val = trainer.callback_metrics.get("val_loss")
@@ -87,6 +90,7 @@ class RunSummary(Callback):
             "world_size_end": trainer.world_size,
             "world_size": self.world_sizes,
             "replicas_end": _world(trainer)["replicas"],
+            "replicas_in_sync": replicas_in_sync,
             "partitions": list(getattr(trainer.strategy, "partitions", [])),
             "param_norm": norm,
         }

@@ -338,14 +338,19 @@ def replicate(
     t0 = time.perf_counter()
     stats = MigrationStats(moves=[])
     received: dict[int, tuple[nn.Module, dict]] = {}
+    receiving = any(rank == dst for _, dst in copies)
+    # Checked by everyone before any transfer: a receiver that cannot take a copy must not leave its sender blocked.
+    if not _commit_flag(not (receiving and slots.local_indices()), device, None):
+        raise RuntimeError(
+            f"copying layers to new replicas {list(copies)}: a receiving process still holds layers "
+            f"({slots.local_indices() if receiving else 'on another process'}); nothing was changed"
+        )
     ok, error = True, None
     try:
         for src, dst in copies:
             if rank == src:
                 stats.bytes_sent += _send_layers(slots, optimizers, slots.local_indices(), dst, None, device)
             elif rank == dst:
-                if slots.local_indices():
-                    raise RuntimeError(f"rank {dst} still holds layers {slots.local_indices()}; it cannot take a copy")
                 layers, size = _recv_layers(src, None, device)
                 received.update(layers)
                 stats.bytes_received += size

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -94,11 +95,18 @@ class TiedParameters:
         ties: from :func:`find_ties`.
         layout: returns the job's pipelines (each a list of global ranks by pipeline rank, one per data-parallel
             replica) and the index of this process's.
+        timeout: timeout of the ties' process groups.
     """
 
-    def __init__(self, ties: list[Tie], layout: Callable[[], tuple[list[list[int]], int]]) -> None:
+    def __init__(
+        self,
+        ties: list[Tie],
+        layout: Callable[[], tuple[list[list[int]], int]],
+        timeout: timedelta | None = None,
+    ) -> None:
         self.ties = ties
         self._layout = layout
+        self._timeout = timeout
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._alias = {name: tie.names[0] for tie in ties for name in tie.names[1:]}
 
@@ -131,7 +139,7 @@ class TiedParameters:
             owners = self.owners(tie, plan)
             if len(owners) > 1 and owners not in self._groups:
                 for d, ranks in enumerate(replicas):
-                    group = dist.new_group([ranks[r] for r in owners])
+                    group = dist.new_group([ranks[r] for r in owners], timeout=self._timeout)
                     if d == mine:
                         self._groups[owners] = group
 
@@ -164,8 +172,12 @@ class TiedParameters:
                     _set(slots.get(i), path, keep)
             drop_params(extra, optimizers)
 
-    def check_shapes(self, slots: LayerSlots, plan: StagePlan, rank: int) -> None:
-        """All copies of every cross-process tie have the same shape and dtype (collective)."""
+    def check_shapes(self, slots: LayerSlots, plan: StagePlan, rank: int, optimizers: Sequence[Optimizer] = ()) -> None:
+        """All copies of every cross-process tie have the same shape, dtype and optimizer settings (collective).
+
+        Copies optimized with different hyperparameters (say, weight decay on the head but not on the embedding)
+        would take different steps and silently stop being one parameter.
+        """
         for tie, mine, group in self._cross(slots, plan, rank):
             found: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(found, (tuple(mine.shape), str(mine.dtype)), group=group)
@@ -173,6 +185,14 @@ class TiedParameters:
                 raise TieError(
                     f"the copies of tied parameters {tie.names} differ across stages ({sorted(set(found))}); a tie "
                     "needs identical copies: keep dynamic techniques (e.g. pruning) away from tied parameters"
+                )
+            settings: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(settings, _optimizer_settings(mine, optimizers), group=group)
+            if len({repr(s) for s in settings}) > 1:
+                raise TieError(
+                    f"the copies of tied parameters {tie.names} are in optimizer parameter groups with different "
+                    f"settings on different stages ({settings}); put every name of a tie in the same group "
+                    "(e.g. the same weight-decay group) in configure_optimizers"
                 )
 
     def sync_values(self, slots: LayerSlots, plan: StagePlan, rank: int) -> None:
@@ -200,3 +220,13 @@ class TiedParameters:
             if name in tie.names:
                 return rank == self.owners(tie, plan)[0]
         return True
+
+
+def _optimizer_settings(param: nn.Parameter, optimizers: Sequence[Optimizer]) -> list[tuple[int, int, list]]:
+    """``(optimizer, group, hyperparameters)`` of every optimizer group holding ``param``."""
+    out = []
+    for o, opt in enumerate(optimizers):
+        for g, group in enumerate(opt.param_groups):
+            if any(p is param for p in group["params"]):
+                out.append((o, g, sorted((k, repr(v)) for k, v in group.items() if k != "params")))
+    return out

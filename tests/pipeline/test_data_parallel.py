@@ -58,6 +58,8 @@ def runs(tmp_path_factory):
         {
             d / "dp2": [*STEPS, *DP2],
             d / "dp2-tied": [*STEPS, *DP2, *TIED_RANDOM],
+            # densities adapt to each replica's data: the replicas must still end identical
+            d / "dp2-sparse": [*STEPS, *DP2, "dynamics=sparse_attention"],
             d / "grow": [*FREEZE, *GROW, "trainer.max_steps=20"],
         },
     )
@@ -69,6 +71,7 @@ def runs(tmp_path_factory):
 def test_two_replicas_of_two_stages_equal_one_replica(runs):
     ref, dp = runs["pp2"], runs["dp2"]
     assert dp.summary["world_size"] == [{"step": 0, "world_size": 4, "replicas": 2}]
+    assert dp.summary["replicas_in_sync"]
     assert len(dp.summary["partitions"][-1]["layers_per_stage"]) == 2
     assert_close_losses(dp.summary["losses"], ref.summary["losses"])
     assert_close_params(dp.checkpoint["state_dict"], ref.checkpoint["state_dict"])
@@ -79,6 +82,7 @@ def test_two_replicas_of_two_stages_equal_one_replica(runs):
 def test_replicas_rebalance_alike_and_keep_ties_exact(runs):
     ref, dp = runs["pp2-tied"], runs["dp2-tied"]
     assert len(dp.summary["partitions"]) > 3  # migrated several times
+    assert dp.summary["replicas_in_sync"]
     assert dp.summary["partitions"] == ref.summary["partitions"]
     assert_close_losses(dp.summary["losses"], ref.summary["losses"])
     assert_close_model(dp.checkpoint["state_dict"], ref.checkpoint["state_dict"])
@@ -89,11 +93,21 @@ def test_replicas_rebalance_alike_and_keep_ties_exact(runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_replicas_stay_identical_when_layers_adapt_to_their_data(runs):
+    summary = runs["dp2-sparse"].summary
+    assert summary["replicas_in_sync"] and summary["replicas_end"] == 2
+    density = runs["dp2-sparse"].checkpoint["state_dict"]["blocks.0.attn.density"]
+    assert float(density) < 1.0  # the density did adapt
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_released_processes_grow_a_second_replica_and_the_math_holds(runs):
     ref, grown = runs["pp2-freeze"].summary, runs["grow"].summary
     sizes = grown["world_size"]
     assert sizes[0] == {"step": 0, "world_size": 4, "replicas": 1}
     assert sizes[-1]["world_size"] == 4 and sizes[-1]["replicas"] == 2 and grown["replicas_end"] == 2
+    assert grown["replicas_in_sync"]  # the grown replica (copied layers, optimizer state) stayed identical
     assert [len(p["layers_per_stage"]) for p in grown["partitions"]] == [4, 2]
     assert_close_losses(grown["losses"], ref["losses"])
     assert_close_params(runs["grow"].checkpoint["state_dict"], runs["pp2-freeze"].checkpoint["state_dict"])

@@ -4,6 +4,8 @@ and the checkpoint loads into the plain tied model."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from _helpers import assert_close_losses, assert_close_model, launch
@@ -47,8 +49,10 @@ def test_tied_embeddings_equal_one_process(runs, name):
 def test_tie_that_moves_between_local_and_cross_stage(runs):
     ref, run = runs["blocks1"], runs["blocks2"]
     partitions = [p["layers_per_stage"] for p in run.summary["partitions"]]
-    layers_of_rank0 = [p[0] for p in partitions]
-    assert any(n <= 2 for n in layers_of_rank0) and any(n >= 4 for n in layers_of_rank0)  # split and together
+    # layers 2 and 3 are tied: split across the two ranks when rank 0 holds exactly 3 layers, together otherwise
+    split = [p[0] == 3 for p in partitions]
+    assert any(later and not before for before, later in itertools.pairwise(split)), partitions  # re-split
+    assert not all(split)
     assert_close_losses(run.summary["losses"], ref.summary["losses"])
     assert_close_model(run.checkpoint["state_dict"], ref.checkpoint["state_dict"])
     state = run.checkpoint["state_dict"]
@@ -59,9 +63,16 @@ def test_checkpoint_loads_into_the_plain_tied_model(runs):
     ckpt = runs["p4"].checkpoint
     model = GPT(**ckpt["hyper_parameters"])
     model.configure_model()
+    # the checkpoint's two names of the tie hold the same values (loading would hide it: the last one wins)
+    assert torch.equal(ckpt["state_dict"]["embed.wte.weight"], ckpt["state_dict"]["head.lm_head.weight"])
     model.load_state_dict(ckpt["state_dict"])
     assert model.head.lm_head.weight is model.embed.wte.weight
-    assert torch.equal(model.embed.wte.weight, ckpt["state_dict"]["head.lm_head.weight"])
+    assert torch.equal(model.embed.wte.weight, ckpt["state_dict"]["embed.wte.weight"])
+
+
+def test_copies_in_optimizer_groups_with_different_settings_are_refused(tmp_path):
+    with pytest.raises(AssertionError, match=r"TieError: the copies of tied parameters .* different settings"):
+        launch(2, {tmp_path / "bad": [*STEPS, "model._target_=tied_blocks.DecayedHeadGPT"]})
 
 
 def test_ties_found_and_refused_when_shapes_differ():
