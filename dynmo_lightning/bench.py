@@ -201,8 +201,18 @@ class Progress:
         print(f"[dynmo-bench] {self.done}/{self.total} {what}  elapsed {elapsed:.0f}s, ~{left:.0f}s left", flush=True)
 
 
-def _launch(world_size: int, cases: list[dict[str, Any]], out: Path, tag: str, timeout: float) -> None:
-    """Run ``cases`` back to back in one set of ``world_size`` processes, reporting progress as results appear."""
+def _launch(
+    world_size: int, cases: list[dict[str, Any]], out: Path, tag: str, timeout: float, resume: bool = False
+) -> None:
+    """Run ``cases`` back to back in one set of ``world_size`` processes, reporting progress as results appear.
+
+    With ``resume``, cases whose result file exists (from an earlier, interrupted or finished run into the same
+    directory) are kept and not run again.
+    """
+    if resume:
+        cases = [case for case in cases if not Path(case["result"]).exists()]
+        if not cases:
+            return
     spec = out / f"{tag}.json"
     spec.write_text(json.dumps({"cases": cases, "ports": [free_port() for _ in cases]}))
     progress = Progress(len(cases))
@@ -250,7 +260,7 @@ def real_runs(cfg: DictConfig, out: Path) -> list[dict[str, Any]]:
                     }
                 )
     (out / "real").mkdir(parents=True, exist_ok=True)
-    _launch(real.world_size, cases, out, "real", real.timeout)
+    _launch(real.world_size, cases, out, "real", real.timeout, cfg.resume)
     rows = []
     for dynamic in cfg.dynamics:
         runs = {
@@ -300,7 +310,7 @@ def record_traces(cfg: DictConfig, out: Path) -> dict[str, Path]:
                 "result": str(out / "traces" / f"{dynamic}.json"),
             }
         )
-    _launch(1, cases, out, "traces", trace.timeout)
+    _launch(1, cases, out, "traces", trace.timeout, cfg.resume)
     return {dynamic: out / "traces" / f"{dynamic}.jsonl" for dynamic in cfg.dynamics}
 
 

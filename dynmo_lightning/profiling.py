@@ -12,8 +12,9 @@ When a step is profiled, each stage runs its layers through :meth:`LayerProfiler
   parameters excluded, per micro-batch.
 
 Values are per micro-batch (averaged over the step's micro-batches). Unprofiled steps run the layers untouched, so
-the overhead is paid only on sampled steps. :class:`CostTracker` smooths the gathered measurements of all layers
-with an exponential moving average and is what the balancer plans with.
+the overhead is paid only on sampled steps. :class:`~dynmo_lightning.balance.CostTracker` smooths the gathered
+measurements of all layers (median of the recent ones, then an exponential moving average); the balancer plans with
+it.
 """
 
 from __future__ import annotations
@@ -185,62 +186,3 @@ def static_memory(layer: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
                 if isinstance(v, Tensor):
                     optim += v.numel() * v.element_size()
     return params, grads, optim
-
-
-class CostTracker:
-    """Exponential moving averages of every layer's measured costs (the same on every process).
-
-    Args:
-        n_layers: number of pipeline layers.
-        smoothing: weight of a new measurement (1.0 keeps only the latest).
-    """
-
-    FIELDS = ("fwd", "bwd", "activation_bytes", "param_bytes", "grad_bytes", "optim_bytes")
-
-    def __init__(self, n_layers: int, smoothing: float = 0.5) -> None:
-        if not 0.0 < smoothing <= 1.0:
-            raise ValueError(f"smoothing={smoothing} must be in (0, 1]")
-        self.n_layers = n_layers
-        self.smoothing = smoothing
-        self.values: dict[str, list[float]] = {f: [0.0] * n_layers for f in self.FIELDS}
-        self.samples = 0
-
-    def update(self, measured: dict[int, dict[str, float]]) -> None:
-        """Fold one profiled step's measurements (``{layer: {field: value}}`` for all layers) into the averages."""
-        missing = set(range(self.n_layers)) - set(measured)
-        if missing:
-            raise ValueError(f"profile is missing layers {sorted(missing)[:5]}")
-        a = 1.0 if self.samples == 0 else self.smoothing
-        for field, values in self.values.items():
-            for i in range(self.n_layers):
-                values[i] = a * float(measured[i][field]) + (1 - a) * values[i]
-        self.samples += 1
-
-    @property
-    def compute(self) -> list[float]:
-        """Forward plus backward time per layer and micro-batch."""
-        return [f + b for f, b in zip(self.values["fwd"], self.values["bwd"], strict=True)]
-
-    def memory(self, inflight_microbatches: int) -> list[float]:
-        """Bytes a layer needs on its stage with ``inflight_microbatches`` micro-batches' activations alive."""
-        v = self.values
-        return [
-            v["param_bytes"][i]
-            + v["grad_bytes"][i]
-            + v["optim_bytes"][i]
-            + inflight_microbatches * v["activation_bytes"][i]
-            for i in range(self.n_layers)
-        ]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state."""
-        return {"values": self.values, "samples": self.samples, "smoothing": self.smoothing}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (the layer count must match)."""
-        if len(state["values"]["fwd"]) != self.n_layers:
-            raise ValueError(
-                f"saved costs describe {len(state['values']['fwd'])} layers, the model has {self.n_layers}"
-            )
-        self.values = {k: list(v) for k, v in state["values"].items()}
-        self.samples = int(state["samples"])

@@ -235,7 +235,7 @@ def _bench_stage_loads(
         speedup = _float(entry.get("speedup_over_uniform"))
         axis.set(title=f"{entry['policy']} (speed-up {_ratio(speedup)})", xlabel="step")
         axis.grid(alpha=0.3)
-        axis.legend(fontsize="small", ncol=max(1, p // 8))
+        _stage_legend(axis, p, ncol=max(1, p // 8))
     ax[0, 0].set_ylabel("stage load (s)")
     fig.suptitle(f"{dynamic}: per-stage load, static vs balanced, P={p}")
     return _save(fig, path)
@@ -414,20 +414,54 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
+#: Beyond this many stages a legend would cover the plot: stages are coloured along a colour map instead.
+_MANY_STAGES = 16
+
+
+def _stage_colors(n: int) -> list[Any] | None:
+    """Colours for ``n`` stages: matplotlib's cycle for a few, a sequential map (first dark, last light) for many."""
+    if n <= _MANY_STAGES:
+        return None
+    import matplotlib
+
+    cmap = matplotlib.colormaps["viridis"]
+    return [cmap(i / max(n - 1, 1)) for i in range(n)]
+
+
+def _stage_legend(ax: Axes, n: int, **kwargs: Any) -> None:
+    """A legend for a few stages; a note on the colour map for many."""
+    if n <= _MANY_STAGES:
+        ax.legend(fontsize="small", **kwargs)
+    else:
+        ax.text(
+            0.99,
+            0.98,
+            f"colour: stage 0 (dark) to {n - 1} (light)",
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize="small",
+        )
+
+
 def _plot_stage_lines(ax: Axes, steps: Sequence[int], loads: np.ndarray) -> None:
     # NaN cells (stages a consolidated pipeline no longer has) break the line instead of drawing zeros.
+    colors = _stage_colors(loads.shape[1])
     for stage in range(loads.shape[1]):
-        ax.plot(steps, loads[:, stage], lw=1.2, label=f"stage {stage}")
+        color = colors[stage] if colors else None
+        ax.plot(steps, loads[:, stage], lw=1.2, label=f"stage {stage}", color=color)
 
 
 def _plot_partitions(ax: Axes, partitions: Sequence[Mapping[str, Any]], end: int | None) -> None:
     steps, splits = _step_series(partitions, "layers_per_stage", end)
     counts = _pad(splits, fill=0.0)
     # A split holds from its step until the next one: a step function, stacked so the total is the layer count.
-    ax.stackplot(steps, counts.T, labels=[f"stage {i}" for i in range(counts.shape[1])], step="post", alpha=0.85)
+    n = counts.shape[1]
+    labels = [f"stage {i}" for i in range(n)]
+    ax.stackplot(steps, counts.T, labels=labels, step="post", alpha=0.85, colors=_stage_colors(n))
     ax.set(xlabel="step", ylabel="layers")
     ax.set_xlim(steps[0], steps[-1] if steps[-1] > steps[0] else steps[0] + 1)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    _stage_legend(ax, n, loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
 def _plot_world_size(ax: Axes, points: Sequence[Mapping[str, Any]], end: int | None) -> None:

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dynmo_lightning import DynMoStrategy
+from dynmo_lightning.balance import CostTracker
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
-from dynmo_lightning.profiling import CostTracker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,7 +67,7 @@ def test_profiles_every_layer_and_leaves_the_math_alone():
 
 
 def test_cost_tracker_moving_average_and_state():
-    tracker = CostTracker(2, smoothing=0.5)
+    tracker = CostTracker(2, smoothing=0.5, window=1)
     row = {"fwd": 1.0, "bwd": 2.0, "activation_bytes": 10, "param_bytes": 4, "grad_bytes": 4, "optim_bytes": 8}
     tracker.update({0: row, 1: {**row, "fwd": 3.0}})
     tracker.update({0: {**row, "fwd": 3.0}, 1: row})
@@ -82,3 +82,21 @@ def test_cost_tracker_moving_average_and_state():
     with pytest.raises(ValueError, match="describe 2 layers, the model has 3"):
         CostTracker(3).load_state_dict(tracker.state_dict())
     assert torch.tensor(tracker.compute).sum() == 8.0
+
+
+def test_cost_tracker_ignores_a_one_step_spike_but_follows_a_lasting_change():
+    tracker = CostTracker(1, smoothing=1.0, window=5)
+    row = {"fwd": 1.0, "bwd": 2.0}
+    for fwd in (1.0, 1.0, 1.0, 9.0):  # one preempted step
+        tracker.update({0: {**row, "fwd": fwd}})
+    assert tracker.values["fwd"] == [1.0] and tracker.values["param_bytes"] == [0.0]
+    for _ in range(3):  # the layer really got slower (e.g. a dynamic technique changed it)
+        tracker.update({0: {**row, "fwd": 4.0}})
+    assert tracker.values["fwd"] == [4.0]
+    clone = CostTracker(1, smoothing=1.0, window=5)
+    clone.load_state_dict(tracker.state_dict())
+    clone.update({0: {**row, "fwd": 1.0}})
+    tracker.update({0: {**row, "fwd": 1.0}})
+    assert clone.values == tracker.values  # the window survives a checkpoint
+    with pytest.raises(ValueError, match="window=0 must be >= 1"):
+        CostTracker(1, window=0)

@@ -31,9 +31,11 @@ from dynmo_lightning.balance.layout import bottleneck, stage_loads, validate_par
 from dynmo_lightning.balance.optimal import InfeasibleMemoryError
 from dynmo_lightning.balance.partition import METHODS, partition
 from dynmo_lightning.balance.repack import RepackPlan, plan_repack
+from dynmo_lightning.balance.tracker import CostTracker
 
 __all__ = [
     "METHODS",
+    "CostTracker",
     "DiffusionResult",
     "InfeasibleMemoryError",
     "RepackPlan",

@@ -1,7 +1,7 @@
 """DynMoBalancer: measure per-layer cost while training, re-partition, and migrate layers when it pays.
 
 Every ``profile_every_n_steps`` steps (after ``warmup_steps``) one training step is profiled on every stage; the
-measurements are gathered to all processes and smoothed (:class:`~dynmo_lightning.profiling.CostTracker`). Every
+measurements are gathered to all processes and smoothed (:class:`~dynmo_lightning.balance.CostTracker`). Every
 ``every_n_steps`` steps the balancer plans a partition of the smoothed forward+backward costs with ``method`` and
 migrates only when the pipeline cost model predicts that the time saved until the next check exceeds the predicted
 migration time, and the relative step-time gain exceeds ``min_gain``. Every process computes the same decision from
@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from dynmo_lightning import balance
-from dynmo_lightning.profiling import CostTracker
+from dynmo_lightning.balance import CostTracker
 from dynmo_lightning.strategy import ON_RELEASE, DynMoStrategy
 
 #: Planning methods of the balancer (``"random"`` migrates to a random valid split at every check: a chaos test of

@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from dynmo_lightning.profiling import CostTracker
+from dynmo_lightning.balance import CostTracker
 from dynmo_lightning.strategy import DynMoStrategy
 
 

@@ -1,9 +1,10 @@
 """Replay a cost trace under a balancing policy: step times, migrations, consolidation and rank-seconds.
 
 Every step of the trace runs through :func:`~dynmo_lightning.sim.simulator.simulate_layers` under the partition in
-force. Dynamic policies decide the way :class:`~dynmo_lightning.callbacks.DynMoBalancer` does: at each check (before
-step ``k`` whenever ``k`` is a positive multiple of ``every_n_steps``) they see the costs measured in step ``k - 1``
-(never the future), plan with :mod:`dynmo_lightning.balance`, migrate when
+force. Dynamic policies decide the way :class:`~dynmo_lightning.callbacks.DynMoBalancer` does: every step's measured
+costs go into the balancer's :class:`~dynmo_lightning.balance.CostTracker` (same smoothing and median window); at each
+check (before step ``k`` whenever ``k`` is a positive multiple of ``every_n_steps``) they see the smoothed costs of
+steps up to ``k - 1`` (never the future), plan with :mod:`dynmo_lightning.balance`, migrate when
 :func:`~dynmo_lightning.balance.should_repartition` says the saving until the next check beats the migration, then
 optionally consolidate with :func:`~dynmo_lightning.balance.plan_repack`. A migration costs the bytes of the layers
 that change owner (``param_bytes`` plus ``optim_bytes`` when the trace has them) over ``bandwidth``, plus
@@ -80,7 +81,9 @@ def simulate_run(
     every_n_steps: int = 10,
     bandwidth: float = 10e9,
     migration_overhead: float = 0.0,
-    min_gain: float = 0.0,
+    min_gain: float = 0.05,
+    smoothing: float = 0.5,
+    window: int = 5,
     repack: bool = False,
     repack_tolerance: float = 0.05,
     min_stages: int = 1,
@@ -106,7 +109,10 @@ def simulate_run(
         every_n_steps: steps between checks of the dynamic policies.
         bandwidth: bytes per time unit a migration moves.
         migration_overhead: fixed time added to each migration (rebuilding stages and schedules).
-        min_gain: smallest relative step-time gain worth migrating for (as :func:`balance.should_repartition`).
+        min_gain: smallest relative step-time gain worth migrating for (as :func:`balance.should_repartition`;
+            the balancer's default).
+        smoothing: weight of a new measurement in the cost averages (the balancer's ``smoothing``).
+        window: measurements per layer the median is taken over (see :class:`balance.CostTracker`).
         repack: after each check of a dynamic policy, consolidate onto fewer ranks when
             :func:`balance.plan_repack` finds a split within ``repack_tolerance``; released ranks stop counting.
         repack_tolerance: accepted relative slow-down of a consolidation.
@@ -137,11 +143,12 @@ def simulate_run(
     world = len(current)
     plan_args = {"n_microbatches": n_microbatches, "schedule": schedule, "p2p": p2p}
     run = _Recorder(steps[0]["step"], current, world)
+    tracker = balance.CostTracker(n_layers, smoothing, window)
     for k, entry in enumerate(steps):
         if dynamic and k and k % every_n_steps == 0:
-            measured = steps[k - 1]
-            fwd, bwd, layer_bytes = measured["fwd"], measured["bwd"], _layer_bytes(measured, n_layers)
-            costs = [f + b for f, b in zip(fwd, bwd, strict=True)]
+            v = tracker.values
+            fwd, bwd, layer_bytes = v["fwd"], v["bwd"], _layer_bytes(v, n_layers)
+            costs = tracker.compute
             if policy == "optimal":
                 proposed = balance.partition(costs, world, method="optimal")
             else:
@@ -177,6 +184,7 @@ def simulate_run(
                     run.migrate(entry["step"], plan.layers_per_stage, world, plan.bytes_moved, seconds)
                     current, world = plan.layers_per_stage, plan.n_stages
                     run.world_sizes.append((entry["step"], world))
+        tracker.update({i: {f: entry[f][i] for f in tracker.FIELDS if f in entry} for i in range(n_layers)})
         step_time = simulate_layers(entry["fwd"], entry["bwd"], current, **plan_args).step_time
         loads = balance.stage_loads([f + b for f, b in zip(entry["fwd"], entry["bwd"], strict=True)], current)
         run.step(entry["step"], step_time, world, _imbalance(loads))
