@@ -238,9 +238,7 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # All stages of one pipeline consume the same batch; the data is sharded over the replicas.
-        if not self._replicas:
-            return {"num_replicas": self.data_parallel_size, "rank": self.global_rank // self.pp_size}
-        shard, n_shards = self._shards[self.dp_rank]
+        shard, n_shards = self._shards[self.dp_rank] if self._shards else (self.dp_rank, self.dp_size)
         return {"num_replicas": n_shards, "rank": shard}
 
     @property

@@ -54,8 +54,9 @@ class RunSummary(Callback):
         # Data-parallel replicas each consume their own batch; pipeline stages of one replica share one.
         replicas = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)
         self.tokens += int(inputs.numel()) * int(replicas)
-        if self.world_sizes and {**self.world_sizes[-1], "step": trainer.global_step} != _world(trainer):
-            self.world_sizes.append(_world(trainer))
+        now = _world(trainer)
+        if self.world_sizes and {**self.world_sizes[-1], "step": now["step"]} != now:
+            self.world_sizes.append(now)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

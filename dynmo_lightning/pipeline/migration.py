@@ -238,6 +238,13 @@ def _recv_layers(
     return _unpack(blob, tensors), len(blob) + sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _install(slots: LayerSlots, received: dict[int, tuple[nn.Module, dict]], optimizers: Sequence[Optimizer]) -> None:
+    """Install received layers in layer order and add their parameters (with state) to the optimizers."""
+    for i, (module, entries) in sorted(received.items()):
+        slots.install(i, module)
+        _add_to_optimizers(module, entries, optimizers)
+
+
 def _commit_flag(ok: bool, device: torch.device, group: dist.ProcessGroup | None) -> bool:
     """Whether every process of ``group`` succeeded (phase one of a two-phase change)."""
     flag = torch.tensor([1 if ok else 0], device=device)
@@ -308,9 +315,7 @@ def migrate(
         # A parameter shared with a layer that stays (a tie) stays in the optimizer; the moving layer takes a copy.
         drop_params([p for p in slots.get(i).parameters() if id(p) not in staying], optimizers)
         slots.remove(i)
-    for i, (module, entries) in sorted(received.items()):
-        slots.install(i, module)
-        _add_to_optimizers(module, entries, optimizers)
+    _install(slots, received, optimizers)
     stats.seconds = time.perf_counter() - t0
     return stats
 
@@ -361,8 +366,6 @@ def replicate(
             f"copying layers to new replicas {list(copies)} failed on "
             f"{'this process' if not ok else 'another process'}; nothing was changed"
         ) from error
-    for i, (module, entries) in sorted(received.items()):
-        slots.install(i, module)
-        _add_to_optimizers(module, entries, optimizers)
+    _install(slots, received, optimizers)
     stats.seconds = time.perf_counter() - t0
     return stats

@@ -179,15 +179,16 @@ class TiedParameters:
         would take different steps and silently stop being one parameter.
         """
         for tie, mine, group in self._cross(slots, plan, rank):
-            found: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(found, (tuple(mine.shape), str(mine.dtype)), group=group)
-            if len(set(found)) > 1:
+            copies: list[Any] = [None] * dist.get_world_size(group)
+            layout = (tuple(mine.shape), str(mine.dtype))
+            dist.all_gather_object(copies, (layout, _optimizer_settings(mine, optimizers)), group=group)
+            found = {c[0] for c in copies}
+            if len(found) > 1:
                 raise TieError(
-                    f"the copies of tied parameters {tie.names} differ across stages ({sorted(set(found))}); a tie "
+                    f"the copies of tied parameters {tie.names} differ across stages ({sorted(found)}); a tie "
                     "needs identical copies: keep dynamic techniques (e.g. pruning) away from tied parameters"
                 )
-            settings: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(settings, _optimizer_settings(mine, optimizers), group=group)
+            settings = [c[1] for c in copies]
             if len({repr(s) for s in settings}) > 1:
                 raise TieError(
                     f"the copies of tied parameters {tie.names} are in optimizer parameter groups with different "
