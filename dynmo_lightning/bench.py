@@ -24,6 +24,7 @@ import os
 import platform
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,10 @@ from dynmo_lightning.callbacks import (
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.launch import run_ranks
 from dynmo_lightning.models import GPT
-from dynmo_lightning.pipeline.groups import free_port
+from dynmo_lightning.pipeline.groups import open_store
 
-#: The benchmark's Hydra config directory (``conf/bench`` of the checkout).
-_CONF = Path(__file__).resolve().parent.parent / "conf" / "bench"
+#: The benchmark's Hydra config directory (``conf/bench``, shipped inside the package).
+_CONF = Path(__file__).resolve().parent / "conf" / "bench"
 
 #: End-to-end speed-ups the DynMo paper reports over static Megatron-LM / DeepSpeed splits.
 SEED = {"moe": 1.23, "pruning": 3.18, "freezing": 2.23, "sparse_attention": 4.02, "early_exit": 4.52, "mod": 1.17}
@@ -214,7 +215,10 @@ def _launch(
         if not cases:
             return
     spec = out / f"{tag}.json"
-    spec.write_text(json.dumps({"cases": cases, "ports": [free_port() for _ in cases]}))
+    # Every case starts a fresh world; the stores its ranks meet at are hosted here, open (and so reserved) until
+    # the launch ends.
+    stores = [open_store("127.0.0.1", timedelta(minutes=10)) for _ in cases]
+    spec.write_text(json.dumps({"cases": cases, "ports": [store.port for store in stores]}))
     progress = Progress(len(cases))
 
     def poll() -> None:
@@ -394,7 +398,7 @@ def machine() -> dict[str, str]:
 
 
 @hydra.main(
-    version_base="1.3", config_path=str(Path(__file__).resolve().parent.parent / "conf" / "bench"), config_name="config"
+    version_base="1.3", config_path=str(_CONF), config_name="config"
 )
 def _bench_main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)

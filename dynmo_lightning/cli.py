@@ -28,8 +28,8 @@ from dynmo_lightning.callbacks import CostTrace, RunSummary
 #: Environment variables Lightning's process launcher sets for the ranks it starts.
 _LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
-#: The Hydra config groups (``conf/`` of the checkout; the package is installed in editable mode).
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+#: The Hydra config groups, shipped inside the package (``conf/`` at the top of the repository links here).
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def _pin_multirun_job() -> None:

@@ -10,12 +10,38 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
-from dynmo_lightning.pipeline.groups import free_port
+from dynmo_lightning.pipeline.groups import open_store
 
 #: Variables that describe a distributed job; a launch sets its own, never inherits a parent job's.
-DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK")
+DIST_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GLOBAL_RANK",
+    "RANK",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+#: How long the launcher's rendezvous store waits for a rank.
+_STORE_TIMEOUT = timedelta(minutes=5)
+
+
+class LocalJob(list):
+    """The processes of a job started by :func:`start_ranks` (a list of ``Popen``), and the store they meet at.
+
+    The launching process hosts the job's rendezvous store, as torchrun's agent does: it listens on a port the OS
+    picked when it was opened, so no other process can take the port between choosing it and using it.
+    """
+
+    def __init__(self, procs: list[subprocess.Popen], store: Any) -> None:
+        super().__init__(procs)
+        self.store = store
 
 
 def clean_env() -> dict[str, str]:
@@ -24,27 +50,29 @@ def clean_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def start_ranks(world_size: int, argv: Sequence[str], *, log_dir: Path, tag: str) -> list[subprocess.Popen]:
+def start_ranks(world_size: int, argv: Sequence[str], *, log_dir: Path, tag: str) -> LocalJob:
     """Start ``argv`` in ``world_size`` processes with ranks 0..N-1 (output to ``log_dir/{tag}.rank{r}.log``).
 
     Every process gets ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``LOCAL_RANK``, so Lightning sees externally
-    started processes.
+    started processes, and meets the others at the store this process hosts (``TORCHELASTIC_USE_AGENT_STORE``, as
+    under torchrun); keep the returned job referenced until its processes are done.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    store = open_store("127.0.0.1", _STORE_TIMEOUT)
     procs = []
     for rank in range(world_size):
         env = {
             **clean_env(),
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
             "WORLD_SIZE": str(world_size),
             "NODE_RANK": "0",
             "LOCAL_RANK": str(rank),
         }
         with open(log_dir / f"{tag}.rank{rank}.log", "w") as log:  # the child keeps its own handle
             procs.append(subprocess.Popen(list(argv), env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs
+    return LocalJob(procs, store)
 
 
 def run_ranks(

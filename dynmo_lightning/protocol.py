@@ -18,14 +18,19 @@ and optionally
 ``training_step``, ``validation_step`` and ``test_step``, so one model class trains both with and without
 ``DynMoStrategy`` (under the strategy, the strategy runs the steps through the pipeline and logs the same names).
 
-This module is the lowest layer of the package: models and the pipeline runtime both import it, it imports neither.
+The second contract here is :class:`PipelineControl`: what callbacks (the balancer, the dynamics, the run summary)
+may ask a pipeline strategy and tell it. ``DynMoStrategy`` implements it; callbacks find it with
+:func:`pipeline_control` and never import the strategy.
+
+This module is the lowest layer of the package: models, callbacks, the pipeline runtime and the strategy import it,
+it imports none of them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as L
 import torch
@@ -167,27 +172,31 @@ def local_layers(module: Any) -> list[tuple[int, nn.Module]]:
     ]
 
 
-def layers_changed(trainer: Any) -> None:
-    """Tell the strategy that layers changed which parameters train or what they output (call on every process).
+def layers_changed(trainer: Any, layers: Iterable[int] | None = None) -> None:
+    """Tell the strategy that layers changed their cost or which parameters train (call on every process).
 
-    A pipeline strategy rebuilds its stages before the next step (stage boundaries may stop carrying gradients);
-    other strategies ignore it.
+    A pipeline strategy rebuilds its stages before the next step (stage boundaries may stop carrying gradients) and
+    tells the balancer, which restarts the changed layers' cost history; other strategies ignore it.
+
+    Args:
+        trainer: the Trainer.
+        layers: indices of the layers that changed (``None``: any may have).
     """
-    hook = getattr(trainer.strategy, "on_layers_changed", None)
-    if callable(hook):
-        hook()
+    control = pipeline_control(trainer)
+    if control is not None:
+        control.on_layers_changed(None if layers is None else sorted(set(layers)))
 
 
 def all_gather(obj: Any, trainer: Any = None, *, replicas: bool = False) -> list[Any]:
     """Every process's ``obj`` (just ``[obj]`` without torch.distributed): how dynamics agree on global decisions.
 
-    Under data parallelism (a strategy with ``replica_ranks``), the pipeline's processes of the first replica only,
-    by pipeline rank: replicas hold the same layers, so a decision made from one replica's parts is the same on
-    every process of the job (and the same as without replicas, where what is gathered is the same everywhere).
+    Under data parallelism, the pipeline's processes of the first replica only, by pipeline rank: replicas hold the
+    same layers, so a decision made from one replica's parts is the same on every process of the job (and the same
+    as without replicas, where what is gathered is the same everywhere).
 
     Args:
         obj: this process's part (picklable).
-        trainer: the Trainer (its strategy says how processes form replicas); ``None``: every process's part.
+        trainer: the Trainer (a pipeline strategy says how processes form replicas); ``None``: every process's part.
         replicas: return ``[[parts of replica 0], [parts of replica 1], ...]`` instead (for statistics of data that
             differ between replicas).
     """
@@ -195,9 +204,115 @@ def all_gather(obj: Any, trainer: Any = None, *, replicas: bool = False) -> list
         return [[obj]] if replicas else [obj]
     out: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, obj)
-    layout = getattr(getattr(trainer, "strategy", None), "replica_ranks", None) or [list(range(len(out)))]
+    control = pipeline_control(trainer) if trainer is not None else None
+    layout = (control.replica_ranks if control is not None else None) or [list(range(len(out)))]
     by_replica = [[out[r] for r in ranks] for ranks in layout]
     return by_replica if replicas else by_replica[0]
+
+
+@runtime_checkable
+class PipelineControl(Protocol):
+    """What a callback may ask a pipeline strategy and tell it (``DynMoStrategy`` implements it).
+
+    Callbacks reach the strategy through this contract only (:func:`pipeline_control`), never through the class, so
+    the dynamics callbacks run unchanged under strategies that do not split the model, and tests can drive the
+    balancer with a stand-in. Every property answers (with an empty value) before the strategy is set up.
+    """
+
+    n_microbatches: int
+    schedule: str
+    stages_per_rank: int
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the job."""
+        ...
+
+    @property
+    def n_layers(self) -> int:
+        """Pipeline layers of the model."""
+        ...
+
+    @property
+    def n_stages(self) -> int:
+        """(Virtual) pipeline stages."""
+        ...
+
+    @property
+    def pp_size(self) -> int:
+        """Processes of one pipeline."""
+        ...
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas of the pipeline."""
+        ...
+
+    @property
+    def layers_per_stage(self) -> list[int]:
+        """The split in force."""
+        ...
+
+    @property
+    def layer_param_counts(self) -> list[int]:
+        """Parameters of every pipeline layer."""
+        ...
+
+    @property
+    def partitions(self) -> list[dict[str, Any]]:
+        """``[{"step", "layers_per_stage"}]``: the initial split and every change."""
+        ...
+
+    @property
+    def replica_ranks(self) -> list[list[int]]:
+        """Global ranks of every replica's pipeline, by pipeline rank."""
+        ...
+
+    def request_profile(self) -> None:
+        """Profile the coming training step (several callbacks may ask)."""
+        ...
+
+    def profile_results(self) -> dict[int, dict[str, float]] | None:
+        """Every layer's measured costs of the step just profiled (collective), or ``None``."""
+        ...
+
+    def on_layers_changed(self, layers: list[int] | None = None) -> None:
+        """Layers changed (their cost, or which parameters train): rebuild before the next step."""
+        ...
+
+    def changed_layers(self, step: int) -> list[int]:
+        """The layers reported changed while ``step`` optimizer steps were done (the balancer reacts to them)."""
+        ...
+
+    def repartition(self, layers_per_stage: list[int]) -> Any:
+        """Move layers to a new split (collective); returns what moved."""
+        ...
+
+    def shrink(self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit") -> Any:
+        """Consolidate onto ``keep_ranks`` and release the other processes (collective)."""
+        ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Global rank ``src``'s ``obj`` on every process (collective)."""
+        ...
+
+    def tie_layers(self, param: Tensor) -> set[int]:
+        """Pipeline layers sharing ``param`` in the unsplit model."""
+        ...
+
+    def param_norm(self) -> float:
+        """L2 norm of all the model's parameters, across stages (collective)."""
+        ...
+
+    def replicas_in_sync(self) -> bool:
+        """Whether every replica holds the same parameters and buffers (collective)."""
+        ...
+
+
+def pipeline_control(trainer: Any) -> PipelineControl | None:
+    """The trainer's strategy as a :class:`PipelineControl`, or ``None`` when it does not split the model."""
+    strategy = getattr(trainer, "strategy", None)
+    return strategy if isinstance(strategy, PipelineControl) else None
 
 
 def as_tuple(x: Any) -> tuple[Any, ...]:

@@ -30,10 +30,10 @@ class AlwaysProfile(L.Callback):
     """Profiles every step (to measure the profiler's own cost)."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        trainer.strategy.runtime.profiler.start()
+        trainer.strategy.request_profile()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        trainer.strategy.gather_costs(trainer.strategy.runtime.profiler.stop())
+        trainer.strategy.profile_results()
 
 
 def run(args, callbacks: list[L.Callback]) -> tuple[L.Trainer, float]:

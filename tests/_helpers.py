@@ -60,18 +60,22 @@ def launch_script(world_size: int, script: Path, *args: str, log_dir: Path, time
         raise AssertionError(f"{script.name} on {world_size} processes failed:\n{logs}")
 
 
-def launch(world_size: int, cases: dict[Path, list[str]], timeout: float = 600) -> dict[Path, CliRun]:
+def launch(
+    world_size: int, cases: dict[Path, list[str]], timeout: float = 600, *, inject_costs: bool = False
+) -> dict[Path, CliRun]:
     """Run several dynmo-train configurations in one launch of ``world_size`` processes (``tests/_worker.py``).
 
     Every case gets the tiny config plus its overrides and ``trainer.devices=world_size``; returns one
-    :class:`CliRun` per run directory.
+    :class:`CliRun` per run directory. ``inject_costs``: the balancer plans from structural layer costs instead of
+    measured times (``tests/injected_costs.py``), for tests whose verdict depends on its decisions.
     """
     spec_dir = next(iter(cases)).parent
     spec_dir.mkdir(parents=True, exist_ok=True)
     spec = {
         "cases": [
             {"run_dir": str(d), "overrides": [*TINY, *o, f"trainer.devices={world_size}"]} for d, o in cases.items()
-        ]
+        ],
+        "inject_costs": inject_costs,
     }
     spec_path = spec_dir / f"spec-{world_size}-{len(list(spec_dir.iterdir()))}.json"
     spec_path.write_text(json.dumps(spec))

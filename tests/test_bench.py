@@ -38,9 +38,7 @@ def test_bench_tiny_grid(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     real = {r["policy"]: r for r in results["real"]}
     assert real["uniform"]["ratio_to_uniform"] == 1.0 and real["optimal"]["ideal_ratio"] > 0
-    assert real["optimal+repack"]["world_size_end"] <= 2
     sim = [r for r in results["simulated"] if r["n_stages"] == 8]
     assert {r["policy"] for r in sim} == {"uniform", "optimal", "optimal+repack"}
     assert all(len(r["stage_loads"]) == len(r["steps"]) == 16 for r in sim)
-    assert results["seed"]["freezing"] == 2.23
     assert "Summary" in (tmp_path / "benchmarks.md").read_text() and list((tmp_path / "plots").glob("*.png"))

@@ -14,10 +14,13 @@ the number of layers, stage ``i`` holding the next contiguous block. Stages and 
   (decentralised neighbour-only protocol from the uniform split; it ends on an optimal split).
 * :func:`diffuse` - the diffusion protocol from any starting split; :class:`DiffusionResult` reports the split,
   rounds used, bottleneck and whether it finished within ``max_rounds``.
-* :func:`bottleneck`, :func:`stage_loads`, :func:`validate_partition` - measure and check partitions.
+* :func:`bottleneck`, :func:`stage_loads`, :func:`imbalance`, :func:`bytes_moved`, :func:`validate_partition` -
+  measure and check partitions.
 * :class:`InfeasibleMemoryError` (a ``ValueError``) - no split fits the capacities; the message says why.
 * :func:`plan_repack` - the fewest stages within a tolerance of the current step time, and which ranks keep
   running so that the fewest bytes move (:class:`RepackPlan`).
+* :class:`BalancePolicy` (:mod:`~dynmo_lightning.balance.policy`) - THE decision (keep / migrate / repack) with
+  its cadence and cost tracker, driven by the runtime balancer and replayed by the simulator alike.
 * Cost model (:mod:`~dynmo_lightning.balance.cost_model`): :func:`stage_times`, :func:`step_time`,
   :func:`bubble_fraction`, :func:`should_repartition` - GPipe/1F1B step time under a split, and whether a
   re-partition saves more than the migration costs.
@@ -27,21 +30,35 @@ Invalid arguments raise ``ValueError`` with a message naming the bad value and h
 
 from dynmo_lightning.balance.cost_model import bubble_fraction, should_repartition, stage_times, step_time
 from dynmo_lightning.balance.diffusion import DiffusionResult, diffuse
-from dynmo_lightning.balance.layout import bottleneck, stage_loads, validate_partition
+from dynmo_lightning.balance.layout import (
+    bottleneck,
+    bytes_moved,
+    imbalance,
+    layer_owners,
+    stage_loads,
+    validate_partition,
+)
 from dynmo_lightning.balance.optimal import InfeasibleMemoryError
 from dynmo_lightning.balance.partition import METHODS, partition
+from dynmo_lightning.balance.policy import BalancePolicy, Decision, PipelineShape
 from dynmo_lightning.balance.repack import RepackPlan, plan_repack
 from dynmo_lightning.balance.tracker import CostTracker
 
 __all__ = [
     "METHODS",
+    "BalancePolicy",
     "CostTracker",
+    "Decision",
     "DiffusionResult",
     "InfeasibleMemoryError",
+    "PipelineShape",
     "RepackPlan",
     "bottleneck",
     "bubble_fraction",
+    "bytes_moved",
     "diffuse",
+    "imbalance",
+    "layer_owners",
     "partition",
     "plan_repack",
     "should_repartition",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 
@@ -104,3 +105,48 @@ def bottleneck(costs: Sequence[float], layers_per_stage: Sequence[int]) -> float
 
     """
     return max(stage_loads(costs, layers_per_stage))
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """Largest stage load over the mean load: 1 is a perfect balance, ``P`` all the work on one of ``P`` stages.
+
+    Args:
+        loads: one load per stage (e.g. :func:`stage_loads`).
+
+    Returns:
+        ``max / mean``, or 1 when every stage is idle.
+    """
+    mean = math.fsum(loads) / len(loads)
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def layer_owners(layers_per_stage: Sequence[int], n_ranks: int | None = None) -> list[int]:
+    """The rank holding each layer: stage ``s`` runs on rank ``s % n_ranks`` (one stage per rank by default).
+
+    Args:
+        layers_per_stage: a partition.
+        n_ranks: ranks of the pipeline (fewer than the stages when each rank runs several interleaved stages).
+
+    Returns:
+        One rank per layer.
+    """
+    ranks = n_ranks or len(layers_per_stage)
+    return [stage % ranks for stage, n in enumerate(layers_per_stage) for _ in range(n)]
+
+
+def bytes_moved(
+    current: Sequence[int], proposed: Sequence[int], layer_bytes: Sequence[float], n_ranks: int | None = None
+) -> float:
+    """Bytes of the layers that change rank when the split ``current`` becomes ``proposed`` over the same ranks.
+
+    Args:
+        current: the partition now.
+        proposed: the partition after the move.
+        layer_bytes: what moves with each layer (parameters plus optimizer state).
+        n_ranks: ranks of the pipeline (see :func:`layer_owners`).
+
+    Returns:
+        The sum of ``layer_bytes`` over the layers whose owner changes.
+    """
+    now, new = layer_owners(current, n_ranks), layer_owners(proposed, n_ranks)
+    return math.fsum(b for b, x, y in zip(layer_bytes, now, new, strict=True) if x != y)

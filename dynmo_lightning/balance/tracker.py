@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -36,6 +37,8 @@ class CostTracker:
         self.values: dict[str, list[float]] = {f: [0.0] * n_layers for f in self.FIELDS}
         self._recent: dict[str, list[deque[float]]] = self._empty_recent()
         self.samples = 0
+        #: Layers whose history restarts with their next measurement (see :meth:`restart`).
+        self._restarted: set[int] = set()
 
     def _empty_recent(self) -> dict[str, list[deque[float]]]:
         return {f: [deque(maxlen=self.window) for _ in range(self.n_layers)] for f in self.FIELDS}
@@ -53,8 +56,20 @@ class CostTracker:
             recent = self._recent[field]
             for i in range(self.n_layers):
                 recent[i].append(float(measured[i].get(field, 0.0)))
-                values[i] = a * statistics.median(recent[i]) + (1 - a) * values[i]
+                weight = 1.0 if i in self._restarted else a
+                values[i] = weight * statistics.median(recent[i]) + (1 - weight) * values[i]
+        self._restarted.clear()
         self.samples += 1
+
+    def restart(self, layers: Iterable[int]) -> None:
+        """Forget the history of ``layers``: they changed (frozen, pruned), so what was measured before is stale.
+
+        Their next measurement replaces their averages outright, and their median window starts again from it.
+        """
+        for i in layers:
+            for recent in self._recent.values():
+                recent[i].clear()
+            self._restarted.add(i)
 
     @property
     def compute(self) -> list[float]:
@@ -75,7 +90,8 @@ class CostTracker:
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state."""
         recent = {f: [list(d) for d in ds] for f, ds in self._recent.items()}
-        return {"values": self.values, "samples": self.samples, "smoothing": self.smoothing, "recent": recent}
+        state = {"values": self.values, "samples": self.samples, "smoothing": self.smoothing, "recent": recent}
+        return {**state, "restarted": sorted(self._restarted)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the layer count must match; older states without ``recent`` load too)."""
@@ -85,6 +101,7 @@ class CostTracker:
             )
         self.values = {k: list(v) for k, v in state["values"].items()}
         self.samples = int(state["samples"])
+        self._restarted = {int(i) for i in state.get("restarted", [])}
         self._recent = self._empty_recent()
         for field, per_layer in state.get("recent", {}).items():
             if field in self._recent:

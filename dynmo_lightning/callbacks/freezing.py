@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from dynmo_lightning.optim import drop_params
-from dynmo_lightning.protocol import all_gather, layers_changed, local_layers
+from dynmo_lightning.protocol import all_gather, layers_changed, local_layers, pipeline_control
 
 MODES = ("auto", "schedule")
 
@@ -171,8 +171,9 @@ class LayerFreezing(Callback):
                     p.grad = None
                     newly.append(p)
         drop_params(newly, trainer.optimizers)
+        changed = range(self._applied, self.frozen)
         self._applied = self.frozen
-        layers_changed(trainer)
+        layers_changed(trainer, changed)
 
     # ----------------------------------------------------------------------------------------------------------------
     @override
@@ -201,9 +202,9 @@ def _gather_windows(pl_module: pl.LightningModule) -> dict[int, float]:
 
 def _sharing(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
     """``param -> indices of the layers sharing it``: from a pipeline strategy (which sees all stages), or locally."""
-    tie_layers = getattr(trainer.strategy, "tie_layers", None)
-    if callable(tie_layers):
-        return tie_layers
+    control = pipeline_control(trainer)
+    if control is not None:
+        return control.tie_layers
     owners: dict[int, set[int]] = {}
     for i, layer in local_layers(pl_module):
         for p in layer.parameters():

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from dynmo_lightning.protocol import all_gather, local_layers
+from dynmo_lightning.protocol import all_gather, layers_changed, local_layers
 
 MODES = ("structured", "unstructured")
 SCOPES = ("global", "layer")
@@ -163,6 +163,9 @@ class GradualPruning(Callback):
         for key, m in modules.items():
             if len(keep[key]) < len(everyone[key][2]):
                 m.keep_units(keep[key].to(next(m.parameters()).device), optimizers)
+        # The same set on every process (all scores were gathered): the balancer restarts these layers' costs.
+        changed = {key[0] for key, (_, _, scores) in everyone.items() if len(keep[key]) < len(scores)}
+        layers_changed(pl_module.trainer, changed)
 
     def _units_to_keep(self, scores: dict[Any, tuple[str, int, Tensor]], target: float) -> dict[Any, Tensor]:
         """Ascending indices of the units each module keeps; the same result on every process."""

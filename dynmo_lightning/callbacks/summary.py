@@ -13,6 +13,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from dynmo_lightning.protocol import pipeline_control
+
 
 class RunSummary(Callback):
     """Write ``summary.json`` into ``run_dir`` at the end of training (global rank 0 writes; all ranks compute).
@@ -75,9 +77,9 @@ class RunSummary(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pause()
-        norm = _param_norm(trainer, pl_module)
-        in_sync = getattr(trainer.strategy, "replicas_in_sync", None)
-        replicas_in_sync = in_sync() if callable(in_sync) else True
+        control = pipeline_control(trainer)
+        norm = control.param_norm() if control is not None else _param_norm(pl_module)
+        replicas_in_sync = control.replicas_in_sync() if control is not None else True
         if not trainer.is_global_zero:
             return
         val = trainer.callback_metrics.get("val_loss")
@@ -92,7 +94,7 @@ class RunSummary(Callback):
             "world_size": self.world_sizes,
             "replicas_end": _world(trainer)["replicas"],
             "replicas_in_sync": replicas_in_sync,
-            "partitions": list(getattr(trainer.strategy, "partitions", [])),
+            "partitions": list(control.partitions) if control is not None else [],
             "param_norm": norm,
         }
         os.makedirs(self.run_dir, exist_ok=True)
@@ -102,13 +104,11 @@ class RunSummary(Callback):
 
 def _world(trainer: pl.Trainer) -> dict[str, int]:
     """The job's size now: processes and data-parallel replicas of the pipeline."""
-    replicas = int(getattr(trainer.strategy, "dp_size", 1))
+    control = pipeline_control(trainer)
+    replicas = control.dp_size if control is not None else 1
     return {"step": trainer.global_step, "world_size": trainer.world_size, "replicas": replicas}
 
 
-def _param_norm(trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
-    """L2 norm (float64) of all parameters: a pipeline strategy sums its stages' (tied parameters once)."""
-    across_stages = getattr(trainer.strategy, "param_norm", None)
-    if callable(across_stages):
-        return across_stages()
+def _param_norm(pl_module: pl.LightningModule) -> float:
+    """L2 norm (float64) of all parameters of a module that is not split (a pipeline strategy computes its own)."""
     return math.sqrt(sum(float(p.detach().to(torch.float64).square().sum()) for p in pl_module.parameters()))

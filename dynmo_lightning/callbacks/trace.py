@@ -1,7 +1,9 @@
 """CostTrace: write every profiled step's per-layer costs to ``costs.jsonl`` (for the simulator and the plots).
 
 One JSON object per line: ``{"step", "fwd", "bwd", "activation_bytes", "param_bytes", "grad_bytes", "optim_bytes",
-"layers_per_stage", "world_size"}`` with per-layer lists (seconds per micro-batch, bytes). It shares the profiler
+"layers_per_stage", "world_size", "changed_layers"}`` with per-layer lists (seconds per micro-batch, bytes), and the
+layers a dynamics callback changed just before the step (recorded on profiled steps only: profile every step to
+keep every event). It shares the profiler
 with :class:`~dynmo_lightning.callbacks.DynMoBalancer`: a step either of them profiles is measured once and seen
 by both.
 """
@@ -17,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from dynmo_lightning.balance import CostTracker
-from dynmo_lightning.strategy import DynMoStrategy
+from dynmo_lightning.protocol import PipelineControl, pipeline_control
 
 
 class CostTrace(Callback):
@@ -34,10 +36,16 @@ class CostTrace(Callback):
         self.path = path
         self.every_n_steps = every_n_steps
 
+    @staticmethod
+    def _strategy(trainer: pl.Trainer) -> PipelineControl:
+        control = pipeline_control(trainer)
+        if control is None:
+            raise TypeError("profile.trace needs strategy=DynMoStrategy (it measures the pipeline's layers)")
+        return control
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, DynMoStrategy):
-            raise TypeError("profile.trace needs strategy=DynMoStrategy (it measures the pipeline's layers)")
+        self._strategy(trainer)
         if trainer.is_global_zero and stage == "fit":
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             open(self.path, "w").close()
@@ -45,7 +53,7 @@ class CostTrace(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if trainer.global_step % self.every_n_steps == 0:
-            trainer.strategy.request_profile()
+            self._strategy(trainer).request_profile()
 
     @override
     def on_train_batch_end(
@@ -53,13 +61,16 @@ class CostTrace(Callback):
     ) -> None:
         if (trainer.global_step - 1) % self.every_n_steps:
             return
-        measured = trainer.strategy.profile_results()
+        strategy = self._strategy(trainer)
+        measured = strategy.profile_results()
         if measured is None or not trainer.is_global_zero:
             return
         record: dict[str, Any] = {"step": trainer.global_step - 1}
         for field in CostTracker.FIELDS:
             record[field] = [measured[i][field] for i in range(len(measured))]
-        record["layers_per_stage"] = trainer.strategy.layers_per_stage
+        record["layers_per_stage"] = strategy.layers_per_stage
         record["world_size"] = trainer.world_size
+        # Layers a dynamic changed just before this step (the balancer reacts to them; the simulator replays it).
+        record["changed_layers"] = strategy.changed_layers(record["step"])
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")

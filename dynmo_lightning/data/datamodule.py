@@ -7,7 +7,7 @@ import os
 import lightning.pytorch as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from dynmo_lightning.data.corpus import VOCAB_SIZE, CharWindowDataset, build_corpus, split_point
@@ -108,14 +108,17 @@ class StdlibCharDataModule(L.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
-        """Return shuffled training batches, in the same order for the same ``seed`` on every call."""
+        """Return shuffled training batches: the order of each epoch is fixed by ``seed`` and the epoch number.
+
+        The sampler is a one-shard ``DistributedSampler``: its order depends on ``(seed, epoch)`` only (Lightning
+        sets the epoch), so a run resumed at an epoch boundary sees the batches the uninterrupted run saw, and every
+        process of a pipeline draws the same batches. Data-parallel replicas shard it further.
+        """
         dataset = self._dataset(self.train_dataset)
-        # A fresh generator per call: reloading the loader replays the order instead of continuing a shared stream.
-        generator = torch.Generator().manual_seed(self.seed)
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            sampler=RandomSampler(dataset, generator=generator),
+            sampler=DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=self.seed),
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,

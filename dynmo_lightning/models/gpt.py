@@ -13,242 +13,19 @@ whether or not the model is split.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.optim import Optimizer
 
-from dynmo_lightning.models.routing import DepthRouter, ExitGate, active_forward, routed_forward
-from dynmo_lightning.optim import index_select_
+from dynmo_lightning.models.blocks import MLP, Block, CausalSelfAttention, Embedding, Head
+from dynmo_lightning.models.moe import MoEMLP
+from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention
 from dynmo_lightning.protocol import PipelineModule, init_layer
 
-
-class Embedding(nn.Module):
-    """Token plus learned position embedding: ``(B, T)`` token ids to ``(B, T, C)`` hidden states.
-
-    With ``carry=True`` (a model with dynamic structure) it starts the carried state ``(hidden, active, aux)``: all
-    tokens active, no auxiliary loss yet.
-    """
-
-    def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float, carry: bool = False) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab_size, n_embd)
-        self.wpe = nn.Embedding(block_size, n_embd)
-        self.drop = nn.Dropout(dropout)
-        self.carry = carry
-
-    def forward(self, idx: Tensor) -> Tensor | tuple[Tensor, Tensor, Tensor]:
-        """Embed token ids ``(B, T)``."""
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        h = self.drop(self.wte(idx) + self.wpe(pos))
-        if not self.carry:
-            return h
-        return h, torch.ones(idx.shape, dtype=h.dtype, device=h.device), torch.zeros(idx.shape[0], device=h.device)
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention on ``(B, T, C)`` hidden states.
-
-    Structured pruning removes whole heads (:meth:`keep_units`): the projections shrink, so attention costs fall
-    with the number of heads left.
-    """
-
-    unit_kind = "head"
-
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
-        super().__init__()
-        if n_embd % n_head:
-            raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
-        self.n_head = n_head
-        self.initial_units = n_head
-        self.head_dim = n_embd // n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_head * self.head_dim, bias=bias)
-        self.proj = nn.Linear(n_head * self.head_dim, n_embd, bias=bias)
-        self.dropout = dropout
-        self.resid_drop = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Attend causally over ``(B, T, C)``."""
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
-
-    def _rows(self, heads: Tensor) -> Tensor:
-        """Rows of ``qkv`` (laid out ``[3, n_head, head_dim]``) that belong to ``heads``, in layout order."""
-        d = torch.arange(self.head_dim, device=heads.device)
-        per_head = (heads[:, None] * self.head_dim + d).reshape(-1)
-        return torch.cat([c * self.n_head * self.head_dim + per_head for c in range(3)])
-
-    def unit_scores(self) -> Tensor:
-        """L2 norm of each head's query/key/value rows and output-projection columns."""
-        heads = torch.arange(self.n_head, device=self.qkv.weight.device)
-        rows = self.qkv.weight.detach().square().sum(1)
-        if self.qkv.bias is not None:
-            rows = rows + self.qkv.bias.detach().square()
-        per_head = rows.view(3, self.n_head, self.head_dim).sum((0, 2))
-        cols = self.proj.weight.detach().square().sum(0).view(self.n_head, self.head_dim).sum(1)
-        return (per_head + cols)[heads].sqrt()
-
-    def keep_units(self, keep: Tensor, optimizers: Sequence[Optimizer] = ()) -> None:
-        """Keep only the heads ``keep`` (ascending indices), slicing weights and their optimizer state in place."""
-        rows = self._rows(keep)
-        index_select_(self.qkv.weight, 0, rows, optimizers)
-        if self.qkv.bias is not None:
-            index_select_(self.qkv.bias, 0, rows, optimizers)
-        cols = (keep[:, None] * self.head_dim + torch.arange(self.head_dim, device=keep.device)).reshape(-1)
-        index_select_(self.proj.weight, 1, cols, optimizers)
-        self._set_heads(len(keep))
-
-    def _set_heads(self, n_head: int) -> None:
-        self.n_head = n_head
-        self.qkv.out_features = 3 * n_head * self.head_dim
-        self.proj.in_features = n_head * self.head_dim
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        # A checkpoint of a pruned model has fewer heads: take its shapes before its values.
-        w = state_dict.get(prefix + "qkv.weight")
-        if w is not None and w.shape != self.qkv.weight.shape:
-            heads = w.shape[0] // (3 * self.head_dim)
-            _resize(self.qkv.weight, tuple(w.shape))
-            if self.qkv.bias is not None:
-                _resize(self.qkv.bias, (w.shape[0],))
-            _resize(self.proj.weight, (self.proj.weight.shape[0], heads * self.head_dim))
-            self._set_heads(heads)
-        super()._load_from_state_dict(state_dict, prefix, *args)
-
-
-class MLP(nn.Module):
-    """Position-wise feed-forward network with a GELU.
-
-    Structured pruning removes hidden neurons (:meth:`keep_units`): both matrices shrink, so the MLP's cost falls with
-    the fraction of neurons kept.
-    """
-
-    unit_kind = "neuron"
-
-    def __init__(self, n_embd: int, hidden: int, dropout: float, bias: bool) -> None:
-        super().__init__()
-        self.initial_units = hidden
-        self.fc = nn.Linear(n_embd, hidden, bias=bias)
-        self.proj = nn.Linear(hidden, n_embd, bias=bias)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Apply the MLP position-wise."""
-        return self.drop(self.proj(F.gelu(self.fc(x))))
-
-    def unit_scores(self) -> Tensor:
-        """L2 norm of each hidden neuron's input row, bias and output column."""
-        score = self.fc.weight.detach().square().sum(1) + self.proj.weight.detach().square().sum(0)
-        if self.fc.bias is not None:
-            score = score + self.fc.bias.detach().square()
-        return score.sqrt()
-
-    def keep_units(self, keep: Tensor, optimizers: Sequence[Optimizer] = ()) -> None:
-        """Keep only the hidden neurons ``keep`` (ascending), slicing weights and their optimizer state in place."""
-        index_select_(self.fc.weight, 0, keep, optimizers)
-        if self.fc.bias is not None:
-            index_select_(self.fc.bias, 0, keep, optimizers)
-        index_select_(self.proj.weight, 1, keep, optimizers)
-        self.fc.out_features = self.proj.in_features = len(keep)
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        # A checkpoint of a pruned model has fewer neurons: take its shapes before its values.
-        w = state_dict.get(prefix + "fc.weight")
-        if w is not None and w.shape != self.fc.weight.shape:
-            hidden = w.shape[0]
-            _resize(self.fc.weight, tuple(w.shape))
-            if self.fc.bias is not None:
-                _resize(self.fc.bias, (hidden,))
-            _resize(self.proj.weight, (self.proj.weight.shape[0], hidden))
-            self.fc.out_features = self.proj.in_features = hidden
-        super()._load_from_state_dict(state_dict, prefix, *args)
-
-
-def _resize(param: nn.Parameter, shape: tuple[int, ...]) -> None:
-    """Give ``param`` a new shape in place (values follow from the state dict being loaded)."""
-    param.data = param.data.new_empty(shape)
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``.
-
-    Takes plain hidden states ``(B, T, C)``, or — in a model with dynamic structure — the carried state
-    ``(hidden, active, aux)``: the active-token mask of early exit (``(B, T)``, 1/0) and each sample's share of the
-    auxiliary losses so far (``(B,)``; MoE and Mixture-of-Depths add to it). Optional parts, all layer state:
-    ``exit_gate`` (token early exit), ``depth_router`` (Mixture of Depths); ``attn`` may be sparse and ``mlp`` a
-    Mixture of Experts (its forward then returns ``(output, aux_loss)``).
-    """
-
-    def __init__(
-        self,
-        n_embd: int,
-        n_head: int,
-        mlp_hidden: int,
-        dropout: float,
-        bias: bool,
-        *,
-        attn: nn.Module | None = None,
-        mlp: nn.Module | None = None,
-        early_exit: bool = False,
-        mod_capacity: float | None = None,
-    ) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(n_embd, bias=bias)
-        self.attn = attn if attn is not None else CausalSelfAttention(n_embd, n_head, dropout, bias)
-        self.ln2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = mlp if mlp is not None else MLP(n_embd, mlp_hidden, dropout, bias)
-        self.exit_gate = ExitGate() if early_exit else None
-        self.depth_router = DepthRouter(n_embd, mod_capacity) if mod_capacity is not None else None
-
-    def _mlp(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        out = self.mlp(x)
-        return out if isinstance(out, tuple) else (out, None)
-
-    def _dense(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        x = x + self.attn(self.ln1(x))
-        m, aux = self._mlp(self.ln2(x))
-        return x + m, aux
-
-    def forward(
-        self, h: Tensor, active: Tensor | None = None, aux: Tensor | None = None
-    ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
-        """Apply the block to hidden states ``(B, T, C)``, or to the carried state ``(hidden, active, aux)``."""
-        if active is None or aux is None:
-            return self._dense(h)[0]
-        if self.depth_router is not None:
-            y, extra = routed_forward(self, self.depth_router, h, self._dense)
-        elif self.exit_gate is not None and not bool((active > 0).all()):
-            y, extra = active_forward(self, h, active, self._mlp)
-        else:
-            y, extra = self._dense(h)
-        if self.exit_gate is not None:
-            active = self.exit_gate(h, y, active)
-        if extra is not None:
-            # Each sample carries an equal share, so the sum over a micro-batch is the block's auxiliary loss.
-            aux = aux + extra / h.shape[0]
-        return y, active, aux
-
-
-class Head(nn.Module):
-    """Final layer norm and projection to vocabulary logits (plus the carried auxiliary loss, if any)."""
-
-    def __init__(self, n_embd: int, vocab_size: int, bias: bool) -> None:
-        super().__init__()
-        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-
-    def forward(
-        self, h: Tensor, active: Tensor | None = None, aux: Tensor | None = None
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Logits ``(B, T, V)``, or ``(logits, aux)`` for a carried state."""
-        logits = self.lm_head(self.ln_f(h))
-        return logits if aux is None else (logits, aux)
+# The parts live in blocks.py; importing them from here keeps working.
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "Embedding", "Head"]
 
 
 class GPT(PipelineModule):
@@ -397,10 +174,6 @@ class GPT(PipelineModule):
         return bool(hp.early_exit or hp.mod_every or hp.n_experts > 1)
 
     def _block(self, i: int, hidden: int) -> Block:
-        # Imported here: both modules build on this file's MLP / attention.
-        from dynmo_lightning.models.moe import MoEMLP
-        from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention
-
         hp = self.hparams
         attn = mlp = None
         if hp.attention == "sparse":

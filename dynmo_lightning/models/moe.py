@@ -1,4 +1,4 @@
-"""Mixture-of-Experts feed-forward layer that can replace the GPT's :class:`~dynmo_lightning.models.gpt.MLP`.
+"""Mixture-of-Experts feed-forward layer that can replace the GPT's :class:`~dynmo_lightning.models.blocks.MLP`.
 
 Every expert is a plain GPT ``MLP`` (``fc``, GELU, ``proj``), so expert weights in a checkpoint look like MLP weights,
 and a learned router (``router``, no bias) sends each token to its top-k experts. Each expert runs only on the tokens
@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from dynmo_lightning.models.gpt import MLP
+from dynmo_lightning.models.blocks import MLP
 from dynmo_lightning.protocol import is_probing
 
 

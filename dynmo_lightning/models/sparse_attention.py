@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dynmo_lightning.models.gpt import CausalSelfAttention
+from dynmo_lightning.models.blocks import CausalSelfAttention
 from dynmo_lightning.protocol import is_probing
 
 

@@ -1,17 +1,28 @@
-"""Partition-independent checkpoint pieces: optimizer state keyed by parameter name, merged across stages.
+"""Partition-independent checkpoints: one file with the unsplit model's keys, written atomically.
 
 ``torch.optim.Optimizer.state_dict()`` numbers parameters by their position in the optimizer, which differs between
 stages and between partitions. DynMo stores optimizer state by the unsplit model's parameter names instead, so a
 checkpoint written with P stages loads with any other P (and each stage picks out its own parameters).
+:func:`gather_checkpoint` merges the stages' parts on pipeline rank 0, :func:`load_local_state` loads a stage's part
+back, and :class:`AtomicCheckpointIO` (the strategy's ``CheckpointIO``) writes through a temporary file.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
+
+from dynmo_lightning.pipeline.layout import PipelineGroup, ReplicaLayout
 
 #: Marks optimizer state written in the named format.
 NAMED_FORMAT = "dynmo-named-v1"
@@ -90,3 +101,119 @@ def local_optimizer_state(named: Mapping[str, Any], optimizer: Optimizer, names:
         hyper = {k: v for k, v in saved.items() if k != "params"}
         groups.append({**hyper, "params": [position[id(p)] for p in group["params"]]})
     return {"state": state, "param_groups": groups}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One file from all stages
+# ---------------------------------------------------------------------------------------------------------------------
+def gather_checkpoint(checkpoint: dict[str, Any], pipe: PipelineGroup) -> dict[str, Any] | None:
+    """The whole model's checkpoint on pipeline rank 0 (``None`` elsewhere; collective over the pipeline).
+
+    Every stage sends its part of the model state (the unsplit model's keys) and its named optimizer states, moved
+    to the CPU; pipeline rank 0 merges them into ``checkpoint``'s other entries (loops, callbacks, schedulers).
+    """
+    part = move_data_to_device(
+        {"state_dict": checkpoint.get("state_dict", {}), "optimizer_states": checkpoint.get("optimizer_states")}, "cpu"
+    )
+    parts: list[Any] | None = [None] * pipe.size if pipe.rank == 0 else None
+    dist.gather_object(part, parts, dst=pipe.global_rank(0), group=pipe.group)
+    if parts is None:
+        return None
+    merged = dict(checkpoint)
+    merged["state_dict"] = {k: v for p in parts for k, v in p["state_dict"].items()}
+    if parts[0]["optimizer_states"] is not None:
+        merged["optimizer_states"] = [
+            merge_named_optimizer_states([p["optimizer_states"][i] for p in parts])
+            for i in range(len(parts[0]["optimizer_states"]))
+        ]
+    return merged
+
+
+def record_layout(partitions: list[dict[str, Any]], world_size: int, layout: ReplicaLayout) -> dict[str, Any]:
+    """What a checkpoint records of the job: the partitions, the world, and how the data was divided.
+
+    ``data_parallel_size`` is the number of sampler shards, ``replicas`` the replicas that split their batches.
+    """
+    return {
+        "partitions": partitions,
+        "world_size": world_size,
+        "data_parallel_size": layout.n_shards,
+        "replicas": layout.dp_size,
+    }
+
+
+def warn_layout_change(checkpoint: Mapping[str, Any], path: _PATH, dp_size: int) -> None:
+    """Warn when resuming a run whose released processes had become replicas with another layout than this job's."""
+    saved = checkpoint.get("dynmo", {})
+    shards, replicas = saved.get("data_parallel_size", 1), saved.get("replicas", 1)
+    if replicas != shards and replicas != dp_size:
+        rank_zero_warn(
+            f"{os.fspath(path)} was written by {replicas} replicas that split the batches of {shards} data shard(s) "
+            f"(released processes had become replicas). This job runs {dp_size} replica(s) with data.batch_size "
+            f"per replica: to keep the global batch of the saved run, use strategy.data_parallel_size={replicas} "
+            f"and divide data.batch_size by {replicas // max(shards, 1)}."
+        )
+
+
+def load_local_state(module: nn.Module, saved: Mapping[str, Any], global_keys: set[str], strict: bool) -> None:
+    """Load this stage's part of a whole-model state dict into ``module`` (which holds this stage's layers).
+
+    Raises:
+        RuntimeError: the checkpoint does not match the model (missing or unexpected keys, other shapes).
+    """
+    local = module.state_dict().keys()
+    missing = [k for k in local if k not in saved]
+    unexpected = [k for k in saved if k not in global_keys]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            "The checkpoint does not match the model: "
+            f"missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}. "
+            "Was it written for a different model configuration?"
+        )
+    try:
+        module.load_state_dict({k: saved[k] for k in local if k in saved}, strict=strict)
+    except RuntimeError as e:
+        details = [line.strip() for line in str(e).splitlines()[1:]]
+        more = f" and {len(details) - 3} more" if len(details) > 3 else ""
+        raise RuntimeError(
+            f"The checkpoint does not match the model ({'; '.join(details[:3])}{more}). Was it written for a "
+            "different model configuration?"
+        ) from e
+
+
+class AtomicCheckpointIO(_WrappingCheckpointIO):
+    """Writes through the wrapped ``CheckpointIO`` to a temporary file in the same directory, then renames it.
+
+    A crash (or a lost process) mid-write never leaves a half-written checkpoint where the previous one was. Paths
+    with a URL scheme (``s3://``, ...) are written directly: renaming is the storage's business there. Reading
+    turns an unreadable file into an error that says what to do.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        assert self.checkpoint_io is not None
+        target = os.fspath(path)
+        if "://" in target:
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        tmp = f"{target}.tmp-{os.getpid()}"
+        self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+        os.replace(tmp, target)
+
+    @override
+    def load_checkpoint(self, path: _PATH, map_location: Any | None = None, **kwargs: Any) -> dict[str, Any]:
+        assert self.checkpoint_io is not None
+        try:
+            checkpoint = self.checkpoint_io.load_checkpoint(path, map_location=map_location, **kwargs)
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise ValueError(
+                f"ckpt_path={os.fspath(path)} is not a readable checkpoint ({type(e).__name__}: {e}); it may be "
+                "truncated or not a Lightning checkpoint. Resume from an earlier one (checkpoints are written to a "
+                "temporary file and renamed, so the previous one is always complete)."
+            ) from e
+        if "state_dict" not in checkpoint:
+            raise ValueError(f"ckpt_path={os.fspath(path)} has no 'state_dict': not a training checkpoint")
+        return checkpoint

@@ -10,16 +10,25 @@ and keeps its address, node and local rank, so devices stay where they were.
 
 from __future__ import annotations
 
+import gc
 import socket
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
+#: What a process released by consolidation does: leave at once, idle until training ends, or join other released
+#: processes in a new data-parallel replica of the pipeline.
+ON_RELEASE = ("exit", "wait", "data_parallel")
+
 #: Store key rank 0 sets when training ends, releasing processes that wait (``on_release="wait"``).
 SHUTDOWN_KEY = "dynmo/shutdown"
+
+#: How long a released process waits for the end of training (``on_release="wait"``).
+_RELEASED_WAIT = timedelta(days=7)
 
 
 class ResizedEnvironment(ClusterEnvironment):
@@ -88,34 +97,122 @@ class ResizedEnvironment(ClusterEnvironment):
         self.base.teardown()
 
 
+def check_shrink(keep_ranks: list[int], on_release: str, stages_per_rank: int) -> None:
+    """Refuse a consolidation the world cannot make (messages name the setting)."""
+    if on_release not in ON_RELEASE:
+        raise ValueError(f"balancer.on_release={on_release!r} is not one of {list(ON_RELEASE)}")
+    if stages_per_rank != 1:
+        raise ValueError("consolidation needs one stage per rank (strategy.stages_per_rank=1)")
+    if not keep_ranks or keep_ranks[0] != 0 or sorted(set(keep_ranks)) != keep_ranks:
+        raise ValueError(f"keep_ranks={keep_ranks} must be ascending, distinct and start with rank 0")
+
+
 def free_port() -> int:
-    """A TCP port that is free on this host right now."""
+    """A TCP port that is free on this host right now (another process may take it before it is used)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
 
 
-def share_ports(n: int) -> list[int]:
-    """``n`` free ports chosen by rank 0 of the default group, known to every process (collective)."""
-    ports = [free_port() for _ in range(n)] if dist.get_rank() == 0 else [0] * n
-    payload = [ports]
+def open_store(address: str, timeout: timedelta, world_size: int | None = None) -> dist.TCPStore:
+    """A key-value store server listening on a port the OS picks: the port is ours from the start, no race."""
+    return dist.TCPStore(address, 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def host_stores(n: int, address: str, timeout: timedelta) -> tuple[list[dist.TCPStore | None], list[int]]:
+    """``n`` stores opened by rank 0 of the default group, and their ports, known to every process (collective).
+
+    Returns:
+        On rank 0 the open stores (the other processes connect to their ports); elsewhere ``None`` s.
+    """
+    stores: list[dist.TCPStore | None] = [None] * n
+    if dist.get_rank() == 0:
+        stores = [open_store(address, timeout) for _ in range(n)]
+    payload = [[s.port if s is not None else 0 for s in stores]]
     dist.broadcast_object_list(payload, src=0)
-    return payload[0]
+    return stores, payload[0]
 
 
 def restart_world(
-    *, address: str, port: int, rank: int, world_size: int, backend: str, timeout: timedelta, device: torch.device
+    *,
+    address: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: timedelta,
+    device: torch.device,
+    store: dist.TCPStore | None = None,
 ) -> None:
     """Start a new default process group among the survivors (the old one must already be destroyed).
 
-    The rendezvous store is created here rather than from an ``init_method`` URL: under torchrun, URL rendezvous
-    would look for the elastic agent's store instead (``TORCHELASTIC_USE_AGENT_STORE``).
+    Rank 0 passes the ``store`` it opened (:func:`host_stores`); the others connect to ``port``. The store is made
+    here rather than from an ``init_method`` URL: under torchrun, URL rendezvous would look for the elastic agent's
+    store instead (``TORCHELASTIC_USE_AGENT_STORE``).
     """
-    store = dist.TCPStore(address, port, world_size=world_size, is_master=rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(address, port, world_size=world_size, is_master=False, timeout=timeout)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
 
 
-def control_store(address: str, port: int, *, is_master: bool, timeout: timedelta) -> dist.TCPStore:
-    """The store released processes wait on (``on_release="wait"``) until rank 0 says training ended."""
-    return dist.TCPStore(address, port, is_master=is_master, wait_for_workers=False, timeout=timeout)
+def rejoin(
+    environment: ClusterEnvironment,
+    order: list[int],
+    me: int,
+    stores: list[dist.TCPStore | None],
+    ports: list[int],
+    *,
+    on_release: str,
+    backend: str,
+    timeout: timedelta,
+    device: torch.device,
+) -> ResizedEnvironment:
+    """Leave the default process group; released processes stop here, the others start a new one (collective).
+
+    Args:
+        environment: the job's cluster environment now.
+        order: the global ranks that stay, in the order of their new ranks.
+        me: this process's global rank now.
+        stores: from :func:`host_stores` (3): the new world's rendezvous store, the control store released
+            processes wait on, the heartbeat store (open on rank 0 only).
+        ports: their ports.
+        on_release: what a released process does (``"exit"`` or ``"wait"``, see :func:`release`).
+        backend: the new world's process group backend.
+        timeout: its timeout.
+        device: this process's device.
+
+    Returns:
+        The environment of the new world (same address and devices, new ranks).
+    """
+    dist.destroy_process_group()
+    address = environment.main_address
+    if me not in order:
+        release(address, ports[1], on_release, device)
+    rank, size = order.index(me), len(order)
+    restart_world(
+        address=address,
+        port=ports[0],
+        rank=rank,
+        world_size=size,
+        backend=backend,
+        timeout=timeout,
+        device=device,
+        store=stores[0],
+    )
+    return ResizedEnvironment(environment, size, rank, ports[0])
+
+
+def release(address: str, control_port: int, on_release: str, device: torch.device) -> NoReturn:
+    """End a released process's part in training: it holds no layers any more (it sent them all).
+
+    It leaves ``trainer.fit`` with ``SystemExit(0)``: at once (``"exit"``), or once rank 0 says training ended
+    (``"wait"``: it idles on the control store until :data:`SHUTDOWN_KEY` is set).
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if on_release == "wait":
+        store = dist.TCPStore(address, control_port, is_master=False, wait_for_workers=False, timeout=_RELEASED_WAIT)
+        store.wait([SHUTDOWN_KEY], _RELEASED_WAIT)
+    raise SystemExit(0)

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from dynmo_lightning.optim import drop_params
 from dynmo_lightning.pipeline.layers import LayerSlots
+from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.pipeline.runtime import StagePlan
 
 
@@ -258,8 +259,7 @@ def migrate(
     old: StagePlan,
     new: StagePlan,
     *,
-    rank: int,
-    group: dist.ProcessGroup | None,
+    pipe: PipelineGroup,
     device: torch.device,
 ) -> MigrationStats:
     """Carry out ``old -> new`` on this process (collective over the pipeline group; every rank must call it).
@@ -269,8 +269,7 @@ def migrate(
         optimizers: the optimizers holding the local parameters (updated in place).
         old: the current partition.
         new: the target partition.
-        rank: this process's pipeline rank.
-        group: the pipeline process group.
+        pipe: this process's pipeline (rank, group, members' global ranks).
         device: the device layers live on (and tensors travel on).
 
     Returns:
@@ -283,17 +282,14 @@ def migrate(
     moves = plan_moves(old, new)
     stats = MigrationStats(moves)
     received: dict[int, tuple[nn.Module, dict]] = {}
-
-    def global_rank(pp_rank: int) -> int:
-        return dist.get_global_rank(group, pp_rank) if group is not None else pp_rank
-
+    rank, group = pipe.rank, pipe.group
     ok = True
     error: BaseException | None = None
     for move in moves:
         if rank not in (move.src, move.dst):
             continue
         try:
-            peer = global_rank(move.dst if rank == move.src else move.src)
+            peer = pipe.global_rank(move.dst if rank == move.src else move.src)
             if rank == move.src:
                 stats.bytes_sent += _send_layers(slots, optimizers, move.layers, peer, group, device)
             else:
@@ -368,4 +364,41 @@ def replicate(
         ) from error
     _install(slots, received, optimizers)
     stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def pack(
+    slots: LayerSlots,
+    optimizers: Sequence[Optimizer],
+    plan: StagePlan,
+    keep_ranks: Sequence[int],
+    layers_per_stage: Sequence[int],
+    copies: Sequence[tuple[int, int]],
+    *,
+    pipe: PipelineGroup,
+    global_rank: int,
+    device: torch.device,
+) -> MigrationStats:
+    """Move every layer onto the pipeline ranks ``keep_ranks``, then copy them to new replicas (collective).
+
+    Args:
+        slots: the model's layers on this process.
+        optimizers: the optimizers holding the local parameters (updated in place).
+        plan: the partition now (one stage per rank).
+        keep_ranks: pipeline ranks that keep running, in order; new stage ``s`` lands on ``keep_ranks[s]``.
+        layers_per_stage: the partition over the kept ranks.
+        copies: ``(src, dst)`` global ranks: every layer of ``src`` is copied to ``dst`` (see :func:`replicate`).
+        pipe: this process's pipeline.
+        global_rank: this process's global rank.
+        device: the device layers live on.
+    """
+    target = [0] * plan.n_ranks
+    for stage, rank in enumerate(keep_ranks):
+        target[rank] = layers_per_stage[stage]
+    stats = migrate(slots, optimizers, plan, StagePlan(tuple(target), plan.n_ranks), pipe=pipe, device=device)
+    if copies:
+        copied = replicate(slots, optimizers, copies, rank=global_rank, device=device)
+        stats.bytes_sent += copied.bytes_sent
+        stats.bytes_received += copied.bytes_received
+        stats.seconds += copied.seconds
     return stats

@@ -14,7 +14,7 @@ schedule objects, so switching between them never re-initialises either.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
+from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.profiling import LayerProfiler
 from dynmo_lightning.protocol import as_tuple, probing
 
@@ -97,8 +98,7 @@ class PipelineRuntime:
     Args:
         slots: the layers of the model (local ones real, remote ones placeholders).
         plan: the partition into stages.
-        rank: this process's rank in the pipeline group.
-        group: the pipeline process group (``None``: the default group).
+        pipe: this process's pipeline (its rank, group and members).
         device: where this rank's layers live.
         schedule: a key of :data:`SCHEDULES`.
         n_microbatches: micro-batches per step.
@@ -111,8 +111,7 @@ class PipelineRuntime:
         slots: LayerSlots,
         plan: StagePlan,
         *,
-        rank: int,
-        group: dist.ProcessGroup | None,
+        pipe: PipelineGroup,
         device: torch.device,
         schedule: str,
         n_microbatches: int,
@@ -121,8 +120,7 @@ class PipelineRuntime:
         self.profiler = LayerProfiler(device)
         self.slots = slots
         self.plan = plan
-        self.rank = rank
-        self.group = group
+        self.pipe = pipe
         self.device = device
         self.schedule_name = schedule
         self.n_microbatches = n_microbatches
@@ -130,6 +128,11 @@ class PipelineRuntime:
         self._built: dict[bool, tuple[Any, list[PipelineStage]]] = {}
 
     # ------------------------------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's pipeline rank."""
+        return self.pipe.rank
+
     @property
     def local_stages(self) -> list[int]:
         """Stages run by this rank."""
@@ -150,9 +153,19 @@ class PipelineRuntime:
         """Pipeline rank of the last stage."""
         return self.plan.rank_of_stage(self.plan.n_stages - 1)
 
-    def set_plan(self, plan: StagePlan) -> None:
-        """Adopt a new partition (the caller has already moved the layers); stages are rebuilt on the next step."""
+    @property
+    def last_global_rank(self) -> int:
+        """Global rank of the process running the last stage (it has the loss and the outputs)."""
+        return self.pipe.global_rank(self.last_rank)
+
+    def set_plan(self, plan: StagePlan, pipe: PipelineGroup | None = None) -> None:
+        """Adopt a new partition (the caller has already moved the layers), on a new pipeline group if given.
+
+        Stages are rebuilt on the next step.
+        """
         self.plan = plan
+        if pipe is not None:
+            self.pipe = pipe
         self.invalidate()
 
     def invalidate(self) -> None:
@@ -205,7 +218,7 @@ class PipelineRuntime:
                     self.device,
                     input_args=in_meta,
                     output_args=out_meta,
-                    group=self.group,
+                    group=self.pipe.group,
                 )
                 for module, stage, (in_meta, out_meta) in zip(
                     self.stage_modules(), self.local_stages, metas, strict=True
@@ -227,6 +240,7 @@ class PipelineRuntime:
         first_mb = split_args_kwargs_into_chunks(inputs, None, self.n_microbatches)[0][0]
         modules = dict(zip(self.local_stages, self.stage_modules(), strict=True))
         object_device = self.device if self.device.type == "cuda" else None
+        group = self.pipe.group
         metas = []
         carry: tuple[Tensor, ...] | None = None
         grad_ctx = torch.enable_grad if train else torch.no_grad
@@ -241,7 +255,7 @@ class PipelineRuntime:
                     x = carry
                 else:
                     received: list[Any] = [None]
-                    dist.recv_object_list(received, src=self._global(stage - 1), group=self.group, device=object_device)
+                    dist.recv_object_list(received, src=self._global(stage - 1), group=group, device=object_device)
                     x = tuple(t.to(self.device).requires_grad_(rg and train) for t, rg in received[0])
                 with grad_ctx():
                     out = as_tuple(modules[stage](*x))
@@ -252,13 +266,12 @@ class PipelineRuntime:
                     carry = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
                 else:
                     payload = [tuple((t.detach().cpu(), t.requires_grad) for t in out)]
-                    dist.send_object_list(payload, dst=self._global(stage + 1), group=self.group, device=object_device)
+                    dist.send_object_list(payload, dst=self._global(stage + 1), group=group, device=object_device)
         return metas
 
     def _global(self, stage: int) -> int:
         """Global rank of the process running ``stage`` (p2p calls address global ranks)."""
-        group_rank = self.plan.rank_of_stage(stage)
-        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+        return self.pipe.global_rank(self.plan.rank_of_stage(stage))
 
 
 def _meta(t: Tensor) -> Tensor:
@@ -299,25 +312,6 @@ def check_schedule(schedule: str, n_ranks: int, n_stages: int, n_microbatches: i
         )
 
 
-def split_sizes_ok(batch_size: int, n_microbatches: int) -> bool:
-    """Whether a batch of ``batch_size`` splits into ``n_microbatches`` equal micro-batches."""
-    return batch_size % n_microbatches == 0
-
-
-def micro_batch_error(batch_size: int, n_microbatches: int) -> ValueError:
-    """The error for a batch that does not divide into micro-batches."""
-    return ValueError(
-        f"A batch of {batch_size} samples does not split into strategy.n_microbatches={n_microbatches} equal "
-        f"micro-batches. Make the batch size a multiple of {n_microbatches} (and use drop_last=True so the last "
-        "batch of an epoch is full), or change n_microbatches."
-    )
-
-
 def first_dim(x: Any) -> int:
     """Batch size of a tensor or of the first tensor in a tuple."""
     return as_tuple(x)[0].shape[0]
-
-
-def stage_sequence(values: Sequence[int]) -> tuple[int, ...]:
-    """Normalise a partition to a tuple of ints."""
-    return tuple(int(v) for v in values)

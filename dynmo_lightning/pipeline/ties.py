@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from dynmo_lightning.optim import drop_params
 from dynmo_lightning.pipeline.layers import LayerSlots
+from dynmo_lightning.pipeline.layout import ReplicaLayout
 from dynmo_lightning.pipeline.runtime import StagePlan
 
 
@@ -93,15 +94,14 @@ class TiedParameters:
 
     Args:
         ties: from :func:`find_ties`.
-        layout: returns the job's pipelines (each a list of global ranks by pipeline rank, one per data-parallel
-            replica) and the index of this process's.
+        layout: returns the job's replica layout and the index of this process's replica.
         timeout: timeout of the ties' process groups.
     """
 
     def __init__(
         self,
         ties: list[Tie],
-        layout: Callable[[], tuple[list[list[int]], int]],
+        layout: Callable[[], tuple[ReplicaLayout, int]],
         timeout: timedelta | None = None,
     ) -> None:
         self.ties = ties
@@ -118,8 +118,8 @@ class TiedParameters:
         return self._alias.get(name, name)
 
     def _global_rank(self, pp_rank: int) -> int:
-        replicas, mine = self._layout()
-        return replicas[mine][pp_rank]
+        layout, mine = self._layout()
+        return layout.global_rank(pp_rank, mine)
 
     def owners(self, tie: Tie, plan: StagePlan) -> tuple[int, ...]:
         """Pipeline ranks holding a copy of ``tie`` under ``plan``."""
@@ -134,14 +134,28 @@ class TiedParameters:
         """
         if new_world:
             self._groups.clear()
-        replicas, mine = self._layout()
+        layout, mine = self._layout()
         for tie in self.ties:
             owners = self.owners(tie, plan)
             if len(owners) > 1 and owners not in self._groups:
-                for d, ranks in enumerate(replicas):
-                    group = dist.new_group([ranks[r] for r in owners], timeout=self._timeout)
+                for d in range(layout.dp_size):
+                    group = dist.new_group([layout.global_rank(r, d) for r in owners], timeout=self._timeout)
                     if d == mine:
                         self._groups[owners] = group
+
+    def follow(
+        self,
+        slots: LayerSlots,
+        plan: StagePlan,
+        rank: int,
+        optimizers: Sequence[Optimizer] = (),
+        *,
+        new_world: bool = False,
+    ) -> None:
+        """Adapt the ties to layers that moved under ``plan`` (collective): re-tie, make groups, check the copies."""
+        self.retie(slots, optimizers)
+        self.prepare(plan, new_world=new_world)
+        self.check_shapes(slots, plan, rank, optimizers)
 
     def _cross(self, slots: LayerSlots, plan: StagePlan, rank: int) -> Iterator[tuple[Tie, nn.Parameter, Any]]:
         """This process's copy and the owners' group of every tie held by more than one process."""

@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -44,10 +44,12 @@ class Watchdog:
         port: the store's port (chosen by rank 0 and shared beforehand).
         rank: this process's rank.
         world_size: processes in the job.
-        phase: returns what the job is doing now (for messages), ``None`` between distributed phases (then a silent
-            peer is not acted on here: whatever this process does next will fail on it, or the job is ending).
         interval: seconds between heartbeats.
         stale_after: a rank whose heartbeat is older than this is lost.
+        store: the store itself, when this process (rank 0) already opened it.
+
+    What the job is doing is named with :meth:`phase`; between phases (:attr:`current` is ``None``) a silent peer is
+    not acted on here: whatever this process does next will fail on it, or the job is ending.
     """
 
     def __init__(
@@ -57,14 +59,18 @@ class Watchdog:
         *,
         rank: int,
         world_size: int,
-        phase: Callable[[], str | None],
         interval: float = 2.0,
         stale_after: float = 15.0,
+        store: dist.TCPStore | None = None,
     ) -> None:
-        self.rank, self.world_size, self.phase = rank, world_size, phase
+        self.rank, self.world_size = rank, world_size
         self.interval, self.stale_after = interval, stale_after
+        #: What the job is doing now (for messages); ``None`` between distributed phases.
+        self.current: str | None = None
         timeout = timedelta(seconds=max(stale_after, 30.0))
-        self._store = dist.TCPStore(address, port, is_master=rank == 0, wait_for_workers=False, timeout=timeout)
+        if store is None:
+            store = dist.TCPStore(address, port, is_master=rank == 0, wait_for_workers=False, timeout=timeout)
+        self._store = store
         self._stop = threading.Event()
         #: Ranks some process found lost (published in the store, remembered here in case rank 0 then goes too).
         self.known_lost: list[int] = []
@@ -112,9 +118,29 @@ class Watchdog:
                 return stale
             time.sleep(self.interval)
 
+    @contextlib.contextmanager
+    def phase(self, name: str, step: Callable[[], int]) -> Iterator[None]:
+        """Name what the job does while inside; turn a lost peer's error into one that names it and the phase.
+
+        Args:
+            name: the phase, e.g. ``"training step 3 (pipeline schedule)"``.
+            step: returns the training step (for the message).
+        """
+        previous, self.current = self.current, name
+        try:
+            yield
+        except PeerLostError:
+            raise
+        except Exception as e:
+            if is_distributed_failure(e):
+                raise self.explain(e, step()) from e
+            raise
+        finally:
+            self.current = previous
+
     def explain(self, error: BaseException, step: int) -> PeerLostError:
         """The error to raise instead of ``error`` (a failed distributed call): who was lost, when, doing what."""
-        phase = self.phase() or "a collective"
+        phase = self.current or "a collective"
         try:
             self._store.set(f"dynmo/failing/{self.rank}", phase)
         except Exception:
@@ -130,7 +156,7 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            phase = self.phase()
+            phase = self.current
             try:
                 self._beat()
                 failing = self._failing()
@@ -153,8 +179,13 @@ class Watchdog:
                 os._exit(1)  # a blocked collective cannot be interrupted from here: end the process
 
     def stop(self) -> None:
-        """Stop beating (training ended normally, or this process was released)."""
+        """Stop beating (training ended normally, or this process was released).
+
+        Waits briefly for the heartbeat thread, so that none is inside a store call when the process exits.
+        """
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval)
 
 
 def is_distributed_failure(error: BaseException) -> bool:

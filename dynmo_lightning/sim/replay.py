@@ -1,27 +1,30 @@
 """Replay a cost trace under a balancing policy: step times, migrations, consolidation and rank-seconds.
 
 Every step of the trace runs through :func:`~dynmo_lightning.sim.simulator.simulate_layers` under the partition in
-force. Dynamic policies decide the way :class:`~dynmo_lightning.callbacks.DynMoBalancer` does: every step's measured
-costs go into the balancer's :class:`~dynmo_lightning.balance.CostTracker` (same smoothing and median window); at each
-check (before step ``k`` whenever ``k`` is a positive multiple of ``every_n_steps``) they see the smoothed costs of
-steps up to ``k - 1`` (never the future), plan with :mod:`dynmo_lightning.balance`, migrate when
-:func:`~dynmo_lightning.balance.should_repartition` says the saving until the next check beats the migration, then
-optionally consolidate with :func:`~dynmo_lightning.balance.plan_repack`. A migration costs the bytes of the layers
-that change owner (``param_bytes`` plus ``optim_bytes`` when the trace has them) over ``bandwidth``, plus
-``migration_overhead``; every rank of the pipeline is charged for it.
+force. The dynamic policies replay the balancer's own decision code: a :class:`~dynmo_lightning.balance.policy.
+BalancePolicy` (the object :class:`~dynmo_lightning.callbacks.DynMoBalancer` drives) sees the steps it would have
+profiled (:meth:`~dynmo_lightning.balance.policy.BalancePolicy.wants_profile`; every step by default), and at every
+step where a check is due (:meth:`~dynmo_lightning.balance.policy.BalancePolicy.due`, before step ``k`` once ``k``
+steps are done) it decides from the costs of the steps before ``k`` (never the future) whether to keep the split,
+migrate, or repack. A migration costs the bytes of the layers that change owner (``param_bytes`` plus
+``optim_bytes`` when the trace has them) over ``bandwidth``, plus ``migration_overhead``; every rank of the pipeline
+is charged for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from dynmo_lightning import balance
+from dynmo_lightning.balance.policy import MIGRATE, REPACK, BalancePolicy, PipelineShape
 from dynmo_lightning.sim.simulator import simulate_layers
 from dynmo_lightning.sim.traces import check_trace
 
+#: Policies of :func:`simulate_run`: two static splits and the balancer's methods (``"optimal+repack"`` is
+#: ``"optimal"`` with consolidation).
 POLICIES = ("uniform", "params", "static_time", "optimal", "diffusion", "optimal+repack")
 
 
@@ -80,23 +83,19 @@ def simulate_run(
     p2p: float = 0.0,
     every_n_steps: int = 10,
     bandwidth: float = 10e9,
-    migration_overhead: float = 0.0,
-    min_gain: float = 0.05,
-    smoothing: float = 0.5,
-    window: int = 5,
     repack: bool = False,
-    repack_tolerance: float = 0.05,
-    min_stages: int = 1,
+    profile_every_n_steps: int = 1,
+    warmup_steps: int = 0,
+    **settings: Any,
 ) -> RunResult:
     """Replay a cost trace under one balancing policy.
 
     Policies (:data:`POLICIES`):
 
     * ``"uniform"``: layers split by count, never changed;
-    * ``"params"``: optimal split of the first step's ``param_bytes``, never changed;
-    * ``"static_time"``: optimal split of the first step's times, never changed;
-    * ``"optimal"``: starts uniform; each check re-plans optimally from the latest measured costs;
-    * ``"diffusion"``: the same cadence with :func:`balance.diffuse` from the split in force;
+    * ``"params"``: optimal split of the first step's ``param_bytes``, never changed (DeepSpeed's start);
+    * ``"static_time"``, ``"optimal"``, ``"diffusion"``: the balancer with that method, starting uniform
+      (``static_time`` plans once, at the first check);
     * ``"optimal+repack"``: ``"optimal"`` with ``repack=True``.
 
     Args:
@@ -108,115 +107,94 @@ def simulate_run(
         p2p: one-hop transfer time, in the trace's time unit.
         every_n_steps: steps between checks of the dynamic policies.
         bandwidth: bytes per time unit a migration moves.
-        migration_overhead: fixed time added to each migration (rebuilding stages and schedules).
-        min_gain: smallest relative step-time gain worth migrating for (as :func:`balance.should_repartition`;
-            the balancer's default).
-        smoothing: weight of a new measurement in the cost averages (the balancer's ``smoothing``).
-        window: measurements per layer the median is taken over (see :class:`balance.CostTracker`).
-        repack: after each check of a dynamic policy, consolidate onto fewer ranks when
-            :func:`balance.plan_repack` finds a split within ``repack_tolerance``; released ranks stop counting.
-        repack_tolerance: accepted relative slow-down of a consolidation.
-        min_stages: never consolidate below this many ranks.
+        repack: consolidate onto fewer ranks when :func:`balance.plan_repack` finds a split within the
+            ``repack_tolerance`` (released ranks stop counting).
+        profile_every_n_steps: the balancer's profiling interval (which trace steps the policy sees).
+        warmup_steps: the balancer's warm-up (no profiles, no checks before it).
+        **settings: further settings of :class:`~dynmo_lightning.balance.policy.BalancePolicy` (``min_gain``,
+            ``smoothing``, ``window``, ``migration_overhead``, ``repack_tolerance``, ``min_stages``, ...).
 
     Returns:
         The :class:`RunResult`.
 
     Raises:
-        ValueError: for an unknown policy, ``params`` without ``param_bytes`` in the trace, ``repack`` with a
-            policy that never re-plans, a non-positive ``every_n_steps`` or ``bandwidth``, and as the planners and
-            :func:`~dynmo_lightning.sim.simulator.simulate` do.
+        ValueError: for an unknown policy, ``params`` without ``param_bytes``, ``repack`` with a policy that never
+            re-plans, a bad balancer setting, and as :func:`~dynmo_lightning.sim.simulator.simulate` does.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; valid policies: {', '.join(POLICIES)}")
     if policy == "optimal+repack":
         policy, repack = "optimal", True
-    dynamic = policy in ("optimal", "diffusion")
-    if repack and not dynamic:
+    if repack and policy not in ("optimal", "diffusion"):
         raise ValueError(f"repack=True needs a policy that re-plans (optimal, diffusion), not {policy!r}")
-    if every_n_steps < 1:
-        raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps!r}")
-    if not bandwidth > 0:
-        raise ValueError(f"bandwidth must be > 0 bytes per time unit, got {bandwidth!r}")
     steps = check_trace(trace)
-    n_layers = len(steps[0]["fwd"])
-    current = _initial(steps[0], policy, n_stages)
-    world = len(current)
-    plan_args = {"n_microbatches": n_microbatches, "schedule": schedule, "p2p": p2p}
-    run = _Recorder(steps[0]["step"], current, world)
-    tracker = balance.CostTracker(n_layers, smoothing, window)
+    balancer = None
+    if policy not in ("uniform", "params"):
+        cadence = {"every_n_steps": every_n_steps, "profile_every_n_steps": profile_every_n_steps}
+        balancer = BalancePolicy(
+            policy, warmup_steps=warmup_steps, p2p=p2p, bandwidth=bandwidth, repack=repack, **cadence, **settings
+        )
+        balancer.start(len(steps[0]["fwd"]))
+    run = _Recorder(steps[0]["step"], _initial(steps[0], policy, n_stages))
     for k, entry in enumerate(steps):
-        if dynamic and k and k % every_n_steps == 0:
-            v = tracker.values
-            fwd, bwd, layer_bytes = v["fwd"], v["bwd"], _layer_bytes(v, n_layers)
-            costs = tracker.compute
-            if policy == "optimal":
-                proposed = balance.partition(costs, world, method="optimal")
-            else:
-                proposed = balance.diffuse(costs, current).layers_per_stage
-            if proposed != current:
-                moved = _bytes_moved(current, proposed, layer_bytes)
-                seconds = moved / bandwidth + migration_overhead
-                go, _ = balance.should_repartition(
-                    fwd,
-                    bwd,
-                    current,
-                    proposed,
-                    **plan_args,
-                    steps_until_next_check=every_n_steps,
-                    migration_cost=seconds,
-                    min_gain=min_gain,
-                )
-                if go:
-                    current = proposed
-                    run.migrate(entry["step"], current, world, moved, seconds)
-            if repack and world > min_stages:
-                plan = balance.plan_repack(
-                    fwd,
-                    bwd,
-                    current,
-                    **plan_args,
-                    tolerance=repack_tolerance,
-                    min_stages=min_stages,
-                    layer_bytes=layer_bytes,
-                )
-                if plan is not None:
-                    seconds = plan.bytes_moved / bandwidth + migration_overhead
-                    run.migrate(entry["step"], plan.layers_per_stage, world, plan.bytes_moved, seconds)
-                    current, world = plan.layers_per_stage, plan.n_stages
-                    run.world_sizes.append((entry["step"], world))
-        tracker.update({i: {f: entry[f][i] for f in tracker.FIELDS if f in entry} for i in range(n_layers)})
-        step_time = simulate_layers(entry["fwd"], entry["bwd"], current, **plan_args).step_time
-        loads = balance.stage_loads([f + b for f, b in zip(entry["fwd"], entry["bwd"], strict=True)], current)
-        run.step(entry["step"], step_time, world, _imbalance(loads))
+        if balancer is not None:
+            _balance(balancer, k, entry, run, n_microbatches, schedule)
+        step_time = simulate_layers(entry["fwd"], entry["bwd"], run.current, n_microbatches, schedule, p2p).step_time
+        loads = balance.stage_loads([f + b for f, b in zip(entry["fwd"], entry["bwd"], strict=True)], run.current)
+        run.step(entry["step"], step_time, balance.imbalance(loads))
     return run.result(policy if not repack else f"{policy}+repack")
+
+
+def _balance(
+    balancer: BalancePolicy, k: int, entry: Mapping[str, Any], run: _Recorder, n_microbatches: int, schedule: str
+) -> None:
+    """What the balancer does around step ``k``: check (and replay its decisions) before it, profile it.
+
+    A trace step's ``changed_layers`` (layers a dynamic changed just before it) are the balancer's events.
+    """
+    if balancer.due(k):
+        pipe = PipelineShape(run.current, len(run.current), n_microbatches, schedule)
+        for decision in balancer.decide(pipe):
+            if decision.action in (MIGRATE, REPACK):
+                run.migrate(entry["step"], decision.proposed, decision.bytes_moved, decision.migration_s)
+    if entry.get("changed_layers"):
+        balancer.layers_changed(entry["changed_layers"])
+    if balancer.wants_profile(k):
+        fields = [f for f in balance.CostTracker.FIELDS if f in entry]
+        balancer.observe({i: {f: entry[f][i] for f in fields} for i in range(len(entry["fwd"]))})
 
 
 class _Recorder:
     """Accumulates what :func:`simulate_run` reports."""
 
-    def __init__(self, step: int, layers_per_stage: list[int], world: int) -> None:
+    def __init__(self, step: int, layers_per_stage: list[int]) -> None:
+        self.current = list(layers_per_stage)
         self.steps: list[int] = []
         self.step_times: list[float] = []
         self.migration_times: list[float] = []
         self.imbalance: list[float] = []
         self.partitions = [(step, list(layers_per_stage))]
-        self.world_sizes = [(step, world)]
+        self.world_sizes = [(step, len(layers_per_stage))]
         self.rank_seconds = 0.0
         self.bytes_moved = 0.0
         self._pending = 0.0  # migration time charged to the next step
 
-    def migrate(self, step: int, layers_per_stage: list[int], world: int, moved: float, seconds: float) -> None:
+    def migrate(self, step: int, layers_per_stage: list[int], moved: float, seconds: float) -> None:
+        """A move to ``layers_per_stage`` before ``step`` (fewer stages: a consolidation released ranks)."""
         self.partitions.append((step, list(layers_per_stage)))
         self.bytes_moved += moved
         self._pending += seconds
-        self.rank_seconds += world * seconds
+        self.rank_seconds += len(self.current) * seconds  # every rank of the pipeline waits for a migration
+        if len(layers_per_stage) != len(self.current):
+            self.world_sizes.append((step, len(layers_per_stage)))
+        self.current = list(layers_per_stage)
 
-    def step(self, step: int, seconds: float, world: int, imbalance: float) -> None:
+    def step(self, step: int, seconds: float, imbalance: float) -> None:
         self.steps.append(step)
         self.step_times.append(seconds)
         self.migration_times.append(self._pending)
         self.imbalance.append(imbalance)
-        self.rank_seconds += world * seconds
+        self.rank_seconds += len(self.current) * seconds
         self._pending = 0.0
 
     def result(self, policy: str) -> RunResult:
@@ -239,26 +217,4 @@ def _initial(first: Mapping[str, Any], policy: str, n_stages: int) -> list[int]:
         if "param_bytes" not in first:
             raise ValueError("policy 'params' needs 'param_bytes' in the trace")
         return balance.partition(first["param_bytes"], n_stages, method="params")
-    if policy == "static_time":
-        costs = [f + b for f, b in zip(first["fwd"], first["bwd"], strict=True)]
-        return balance.partition(costs, n_stages, method="static_time")
     return balance.partition(first["fwd"], n_stages, method="uniform")
-
-
-def _layer_bytes(entry: Mapping[str, Any], n_layers: int) -> list[float]:
-    """Bytes that move with each layer: parameters plus optimizer state, as the balancer counts them."""
-    zeros = [0.0] * n_layers
-    params, optim = entry.get("param_bytes", zeros), entry.get("optim_bytes", zeros)
-    return [p + o for p, o in zip(params, optim, strict=True)]
-
-
-def _bytes_moved(current: Sequence[int], proposed: Sequence[int], layer_bytes: Sequence[float]) -> float:
-    """Bytes of the layers whose stage changes between two splits over the same ranks."""
-    owner_now = [s for s, n in enumerate(current) for _ in range(n)]
-    owner_new = [s for s, n in enumerate(proposed) for _ in range(n)]
-    return math.fsum(b for b, x, y in zip(layer_bytes, owner_now, owner_new, strict=True) if x != y)
-
-
-def _imbalance(loads: Sequence[float]) -> float:
-    mean = math.fsum(loads) / len(loads)
-    return max(loads) / mean if mean > 0 else 1.0

@@ -19,8 +19,9 @@ from dynmo_lightning.balance._validation import as_values
 Trace = list[dict[str, Any]]
 
 
-#: Fields of a trace step that hold one entry per stage, not per layer.
-PER_STAGE = frozenset({"layers_per_stage"})
+#: Fields of a trace step that are lists but not one entry per layer: the partition in force (one entry per stage)
+#: and the layers a dynamic changed just before the step (the balancer's events).
+PER_STAGE = frozenset({"layers_per_stage", "changed_layers"})
 
 
 def check_trace(trace: Iterable[Mapping[str, Any]]) -> Trace:

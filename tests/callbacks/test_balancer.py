@@ -44,6 +44,7 @@ def runs(tmp_path_factory):
                 f"ckpt_path={d / 'uneven-first' / 'checkpoints' / 'last.ckpt'}",
             ],
         },
+        inject_costs=True,  # the balancer's decisions must not depend on this machine's timings
     )
     out |= launch(3, {d / "random3": [*STEPS, *RANDOM]})
     out |= launch(4, {d / "random4": [*STEPS, *RANDOM]})
@@ -71,17 +72,16 @@ def test_random_migrations_never_change_the_math(runs, name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_uneven_model_ends_near_the_optimum_of_measured_costs(runs):
+def test_uneven_model_ends_on_the_optimum_of_its_costs(runs):
     run = runs["uneven"]
     state = run.checkpoint["callbacks"]["DynMoBalancer"]
     costs = [f + b for f, b in zip(state["tracker"]["values"]["fwd"], state["tracker"]["values"]["bwd"], strict=True)]
     final = run.summary["partitions"][-1]["layers_per_stage"]
     assert run.summary["partitions"][0]["layers_per_stage"] == [4, 4]
-    assert final != [4, 4]  # the heavy first blocks pushed the boundary left
-    best = bottleneck(costs, partition(costs, 2, method="optimal"))
-    assert bottleneck(costs, final) <= 1.10 * best
-    # measured costs follow the widths: a 16x block costs several times a 1x block
+    # costs follow the widths (a 16x block costs several times a 1x block), and the balancer moved to their optimum
     assert min(costs[1:4]) > 2 * max(costs[4:7])
+    assert final == partition(costs, 2, method="optimal") != [4, 4]
+    assert bottleneck(costs, final) < bottleneck(costs, [4, 4])
     assert state["history"] and all("plan_s" in h for h in state["history"])
 
 

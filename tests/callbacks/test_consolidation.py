@@ -69,9 +69,11 @@ def runs(tmp_path_factory):
             # last in this launch: the released processes leave (exit 0) after it
             d / "repack": [*FREEZE, *REPACK, "trainer.max_steps=30", *EPOCH],
         },
+        inject_costs=True,  # whether and where it repacks must not depend on this machine's timings
     )
     ckpt = d / "repack" / "checkpoints" / "last.ckpt"
-    out |= launch(2, {d / "resume": [*FREEZE, *REPACK, "trainer.max_steps=32", *EPOCH, f"ckpt_path={ckpt}"]})
+    resume = [*FREEZE, *REPACK, "trainer.max_steps=32", *EPOCH, f"ckpt_path={ckpt}"]
+    out |= launch(2, {d / "resume": resume}, inject_costs=True)
     return {path.name: run for path, run in out.items()}
 
 
@@ -79,8 +81,9 @@ def runs(tmp_path_factory):
 @pytest.mark.timeout(900)
 def test_shrinks_releases_and_keeps_the_math(runs):
     static, repack = runs["static"].summary, runs["repack"].summary
-    assert repack["world_size_start"] == 4 and repack["world_size_end"] <= 2
-    assert repack["world_size"][0]["world_size"] == 4 and repack["world_size"][-1]["world_size"] <= 2
+    # with the frozen prefix costing its forward only, two stages are within the tolerance (min_world_size=2)
+    assert repack["world_size_start"] == 4 and repack["world_size_end"] == 2
+    assert repack["world_size"][0]["world_size"] == 4 and repack["world_size"][-1]["world_size"] == 2
     assert len(repack["partitions"][-1]["layers_per_stage"]) == repack["world_size_end"]
     # launch() checked from outside that every process (the released ones too) exited with status 0
     assert_close_losses(repack["losses"], static["losses"][:30])
@@ -104,8 +107,7 @@ def test_consolidation_under_torchrun(tmp_path: Path):
         torchrun,
         "--standalone",
         "--nproc_per_node=4",
-        "-m",
-        "dynmo_lightning.cli",
+        str(Path(__file__).resolve().parent.parent / "injected_costs.py"),  # dynmo-train with structural costs
         *TINY,
         *FREEZE,
         *REPACK,
@@ -119,5 +121,5 @@ def test_consolidation_under_torchrun(tmp_path: Path):
     import json
 
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["world_size_start"] == 4 and summary["world_size_end"] <= 2 and summary["steps"] == 20
+    assert summary["world_size_start"] == 4 and summary["world_size_end"] == 2 and summary["steps"] == 20
     assert os.path.exists(tmp_path / "checkpoints" / "final.ckpt")

@@ -10,6 +10,8 @@ import pytest
 import torch
 from _helpers import assert_close_losses, assert_close_params, launch
 
+from dynmo_lightning.balance import partition
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = ["trainer.max_steps=40"]
@@ -51,7 +53,8 @@ def runs(tmp_path_factory):
         "moe-default": ["trainer.max_steps=200", "dynamics=moe", *BALANCE, *csv_log],
         "sparse-default": ["trainer.max_steps=200", "dynamics=sparse_attention", *BALANCE, *csv_log],
     }
-    out |= launch(2, {d / name: overrides for name, overrides in two.items()})
+    # the balancer's decisions must not depend on this machine's timings (random splits ignore costs anyway)
+    out |= launch(2, {d / name: overrides for name, overrides in two.items()}, inject_costs=True)
     return {path.name: run for path, run in out.items()}
 
 
@@ -88,13 +91,10 @@ def test_default_configs_act_within_200_steps_and_the_balancer_sees_it(runs, nam
     costs = [
         f + b for f, b in zip(balancer["tracker"]["values"]["fwd"], balancer["tracker"]["values"]["bwd"], strict=True)
     ]
+    # it moved to the optimal split of the costs it tracked (a frozen or pruned layer costs less)
+    assert run.summary["partitions"][-1]["layers_per_stage"] == partition(costs, 2, method="optimal")
     if key == "LayerFreezing":
-        frozen = callbacks[key]["frozen"]
-        assert frozen >= 1
-        # a frozen block costs only its forward: well below any trainable block (the balancer plans with that)
-        frozen_blocks = costs[1:frozen]
-        trainable_blocks = costs[max(1, frozen) : -1]
-        assert all(c < 0.75 * min(trainable_blocks) for c in frozen_blocks)
+        assert callbacks[key]["frozen"] >= 1
     else:
         assert callbacks[key]["sparsity"] == pytest.approx(0.5)
         widths = [run.checkpoint["state_dict"][f"blocks.{i}.mlp.fc.weight"].shape[0] for i in range(4)]

@@ -22,11 +22,11 @@ class ProfileLast(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
-            trainer.strategy.runtime.profiler.start()
+            trainer.strategy.request_profile()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.strategy.runtime.profiler.active:
-            self.costs = trainer.strategy.gather_costs(trainer.strategy.runtime.profiler.stop())
+        if trainer.global_step - 1 == self.step:
+            self.costs = trainer.strategy.profile_results()
 
 
 def _trainer(max_steps: int, callbacks: list, **kw) -> L.Trainer:

@@ -49,17 +49,17 @@ def _optimizer_summary(strategy, opt) -> dict:
     """Per local layer: {param name: (sum of exp_avg, group index)} of its optimized parameters."""
     group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
     summary = {}
-    for i in strategy._slots.local_indices():
+    for i in strategy._stages.slots.local_indices():
         summary[i] = {
             n: (float(opt.state[p]["exp_avg"].sum()), group_of[id(p)])
-            for n, p in strategy._slots.get(i).named_parameters()
+            for n, p in strategy._stages.slots.get(i).named_parameters()
             if id(p) in group_of
         }
     return summary
 
 
 def _param_refs(strategy, layers) -> list:
-    return [weakref.ref(p) for i in layers for p in strategy._slots.get(i).parameters()]
+    return [weakref.ref(p) for i in layers for p in strategy._stages.slots.get(i).parameters()]
 
 
 class Migrate(L.Callback):
@@ -77,7 +77,8 @@ class Migrate(L.Callback):
         refs = _param_refs(strategy, (1, 2)) if rank == 0 else []
         stats = strategy.repartition([1, 3])
         gc.collect()
-        result = {"rank": rank, "moves": [m.layers for m in stats.moves], "local": strategy._slots.local_indices()}
+        local = strategy._stages.slots.local_indices()
+        result = {"rank": rank, "moves": [m.layers for m in stats.moves], "local": local}
         if rank == 0:
             result["freed"] = all(r() is None for r in refs)
             result["n_params"] = sum(1 for _ in pl_module.parameters())
@@ -85,7 +86,7 @@ class Migrate(L.Callback):
         else:
             checks = {}
             for i in (1, 2):
-                layer = strategy._slots.get(i)
+                layer = strategy._stages.slots.get(i)
                 assert isinstance(layer, Tagged) and layer.note == {"threshold": 0.25, "hits": [1, 2, 3]}
                 assert torch.equal(layer.mask, torch.arange(16, dtype=torch.float32))
                 assert layer.bias.requires_grad is False and layer.weight.requires_grad is True

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from _helpers import TINY, assert_close_losses, assert_close_model, assert_close
 
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.launch import clean_env
-from dynmo_lightning.pipeline.groups import free_port
+from dynmo_lightning.pipeline.groups import open_store
+from dynmo_lightning.pipeline.layout import ReplicaLayout
 
 STEPS = ["trainer.max_steps=12"]
 # Blocks 0-3 and the embedding freeze at step 3; the repack at step 5 then packs 4 stages onto 2.
@@ -28,8 +30,7 @@ GROW = [
     "balancer.repack_tolerance=0.5",
     "balancer.min_world_size=2",
     "balancer.on_release=data_parallel",
-    # No re-partition within a pipeline (a relative gain never exceeds 1): only the repack changes the split, so the
-    # partition history does not depend on this machine's timings.
+    # No re-partition within a pipeline (a relative gain never exceeds 1): only the repack changes the split.
     "balancer.min_gain=1.0",
 ]
 DP2 = ["strategy.data_parallel_size=2", "data.batch_size=8"]  # the same global batch of 16 as one replica
@@ -65,6 +66,7 @@ def runs(tmp_path_factory):
             d / "dp2-sparse": [*STEPS, *DP2, "dynamics=sparse_attention"],
             d / "grow": [*FREEZE, *GROW, "trainer.max_steps=20"],
         },
+        inject_costs=True,  # when and where the repack happens must not depend on this machine's timings
     )
     return {path.name: run for path, run in out.items()}
 
@@ -121,7 +123,8 @@ def test_released_processes_grow_a_second_replica_and_the_math_holds(runs):
 def test_two_nodes_on_loopback(runs, tmp_path: Path):
     """Two torchrun node processes (``--nnodes=2 --node_rank=0/1``), two ranks each: DP=2 x PP=2 across nodes."""
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-    port = free_port()
+    # The node agents meet at a store this test hosts: its port is ours from the moment it is opened (no race).
+    store = open_store("127.0.0.1", timedelta(minutes=10))
     nodes = []
     for node in range(2):
         cmd = [
@@ -129,8 +132,10 @@ def test_two_nodes_on_loopback(runs, tmp_path: Path):
             "--nnodes=2",
             f"--node_rank={node}",
             "--nproc_per_node=2",
-            "--master_addr=127.0.0.1",
-            f"--master_port={port}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{store.port}",
+            "--rdzv-id=dynmo-two-nodes",
+            "--rdzv-conf=is_host=false",
             "-m",
             "dynmo_lightning.cli",
             *TINY,
@@ -154,6 +159,8 @@ def test_two_nodes_on_loopback(runs, tmp_path: Path):
 @pytest.mark.timeout(900)
 def test_slurm_job_of_two_nodes(runs, tmp_path: Path):
     """Four tasks with the variables ``srun --nodes=2 --ntasks-per-node=2`` sets: Lightning's SLURMEnvironment."""
+    # The tasks meet at a store this test hosts, as they would at the agent's under torchrun: no port race.
+    store = open_store("127.0.0.1", timedelta(minutes=10))
     slurm = {
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NAME": "dynmo",
@@ -161,7 +168,8 @@ def test_slurm_job_of_two_nodes(runs, tmp_path: Path):
         "SLURM_NNODES": "2",
         "SLURM_NTASKS_PER_NODE": "2",
         "SLURM_NODELIST": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
     cmd = [
         sys.executable,
@@ -198,42 +206,39 @@ def test_data_parallel_size_must_be_positive(size):
         DynMoStrategy(data_parallel_size=size)
 
 
-class _Layout(DynMoStrategy):
-    """A strategy whose job layout is set by hand (no processes): for the regrouping rule alone."""
+def _layout(replicas, parts=None) -> ReplicaLayout:
+    """A job layout set by hand (no processes): for the regrouping rule alone."""
+    shards = [(d, len(replicas)) for d in range(len(replicas))]
+    return ReplicaLayout(replicas, shards, parts or [(0, 1)] * len(replicas))
 
-    def __init__(self, replicas, batch_size, n_microbatches=4, parts=None):
-        super().__init__(n_microbatches=n_microbatches)
-        self._replicas = replicas
-        self._shards = [(d, len(replicas)) for d in range(len(replicas))]
-        self._parts = parts or [(0, 1)] * len(replicas)
-        self._batch_size = batch_size
+
+def _regroup(layout, keep, on_release, batch_size, n_microbatches=4):
+    new, copies = layout.regroup(keep, on_release, batch_size, n_microbatches)
+    return new.replicas, new.shards, new.parts, copies
 
 
 def test_regroup_turns_whole_pipelines_of_released_ranks_into_replicas():
     # one replica of 4 stages packs onto 2: the two released ranks make a second replica of the same shard
-    replicas, shards, parts, copies = _Layout([[0, 1, 2, 3]], 16)._regroup([0, 1], "data_parallel")
+    replicas, shards, parts, copies = _regroup(_layout([[0, 1, 2, 3]]), [0, 1], "data_parallel", 16)
     assert replicas == [[0, 1], [2, 3]] and shards == [(0, 1), (0, 1)] and parts == [(0, 2), (1, 2)]
     assert copies == [(0, 2), (1, 3)]
     # 2 replicas of 3 stages onto 1: each makes 3 replicas of one stage, each takes a third of its shard's batch
-    layout = _Layout([[0, 1, 2], [3, 4, 5]], 12, n_microbatches=2)
-    replicas, shards, parts, copies = layout._regroup([0], "data_parallel")
+    replicas, shards, parts, copies = _regroup(_layout([[0, 1, 2], [3, 4, 5]]), [0], "data_parallel", 12, 2)
     assert replicas == [[0], [1], [2], [3], [4], [5]]
     assert shards == [(0, 2)] * 3 + [(1, 2)] * 3 and parts == [(0, 3), (1, 3), (2, 3)] * 2
     assert copies == [(0, 1), (0, 2), (3, 4), (3, 5)]
     # released ranks that do not make a whole pipeline exit
-    replicas, _, parts, copies = _Layout([[0, 1, 2]], 16)._regroup([0, 1], "data_parallel")
+    replicas, _, parts, copies = _regroup(_layout([[0, 1, 2]]), [0, 1], "data_parallel", 16)
     assert replicas == [[0, 1]] and parts == [(0, 1)] and copies == []
     # other release modes keep one replica per shard
-    assert _Layout([[0, 1, 2, 3]], 16)._regroup([0, 1], "exit")[0] == [[0, 1]]
+    assert _regroup(_layout([[0, 1, 2, 3]]), [0, 1], "exit", 16)[0] == [[0, 1]]
 
 
 def test_regroup_only_splits_batches_into_whole_micro_batches():
     # 12 samples in 4 micro-batches: halves of 6 do not split into 4, so the released ranks exit instead
     with pytest.warns(UserWarning, match=r"does not split into 2 parts of whole micro-batches"):
-        replicas, _, parts, _ = _Layout([[0, 1, 2, 3]], 12)._regroup([0, 1], "data_parallel")
+        replicas, _, parts, _ = _regroup(_layout([[0, 1, 2, 3]]), [0, 1], "data_parallel", 12)
     assert replicas == [[0, 1]] and parts == [(0, 1)]
     # a replica that already takes half its shard's batch splits it further (parts compose)
-    replicas, _, parts, _ = _Layout([[0, 1], [2, 3]], 16, n_microbatches=2, parts=[(0, 2), (1, 2)])._regroup(
-        [0], "data_parallel"
-    )
+    replicas, _, parts, _ = _regroup(_layout([[0, 1], [2, 3]], parts=[(0, 2), (1, 2)]), [0], "data_parallel", 16, 2)
     assert replicas == [[0], [1], [2], [3]] and parts == [(0, 4), (1, 4), (2, 4), (3, 4)]

@@ -43,7 +43,8 @@ def test_optimal_beats_static_splits_when_layers_freeze():
     trace = freezing_trace()
     results = {policy: run(trace, policy) for policy in ("uniform", "static_time", "optimal", "diffusion")}
     optimal = results["optimal"]
-    assert optimal.total_time < results["static_time"].total_time < results["uniform"].total_time
+    # static_time plans once, at the first check (step 10, before the freeze): it finds no better split than uniform.
+    assert optimal.total_time < results["static_time"].total_time <= results["uniform"].total_time
     assert optimal.speedup_over(results["uniform"]) == results["uniform"].total_time / optimal.total_time > 1.05
     # The check at step 50 sees step 49 (before the freeze): the move comes at the next check, step 60.
     assert optimal.partitions == [(0, [4, 4, 4, 4]), (60, [8, 3, 3, 2])]

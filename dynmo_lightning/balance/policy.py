@@ -1,0 +1,393 @@
+"""THE balancing decision: keep the split, migrate to a better one, or repack onto fewer ranks.
+
+The runtime balancer (:class:`~dynmo_lightning.callbacks.DynMoBalancer`) and the trace replay
+(:func:`~dynmo_lightning.sim.simulate_run`) both drive a :class:`BalancePolicy`, so a simulated run replays the
+decisions the balancer makes, step for step. Pure planning: plain numbers in, plain data out.
+
+A policy keeps what it has measured (a :class:`~dynmo_lightning.balance.CostTracker`) and its cadence:
+
+* :meth:`BalancePolicy.wants_profile` - whether the step about to run should be profiled (one step in
+  ``profile_every_n_steps`` after ``warmup_steps``, always the step before a check, and every step after an event);
+* :meth:`BalancePolicy.observe` - fold a profiled step's per-layer costs into the tracker;
+* :meth:`BalancePolicy.layers_changed` - an event: a dynamic technique changed layers (froze, pruned them). Their
+  cost history restarts, the next ``react_samples`` steps are profiled, and then a check runs at once instead of
+  waiting for the next multiple of ``every_n_steps``: the balancer reacts within a few steps, still planning from
+  more than one measurement;
+* :meth:`BalancePolicy.due` - whether a check is due once ``step`` optimizer steps are done;
+* :meth:`BalancePolicy.decide` - the check itself: plan a split with ``method``, decide whether migrating to it pays
+  (:func:`~dynmo_lightning.balance.should_repartition`: the predicted saving until the next check beats the
+  migration time, bytes to move over the bandwidth, and the relative gain beats ``min_gain``), then, with
+  ``repack``, whether fewer ranks keep the step time (:func:`~dynmo_lightning.balance.plan_repack`).
+
+The caller carries the decisions out (moves layers, or replays their cost) and reports measured migrations back with
+:meth:`BalancePolicy.record_migration`, which updates the bandwidth estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from dynmo_lightning.balance.cost_model import should_repartition, stage_times, step_time
+from dynmo_lightning.balance.diffusion import diffuse
+from dynmo_lightning.balance.layout import bytes_moved
+from dynmo_lightning.balance.partition import partition
+from dynmo_lightning.balance.repack import plan_repack
+from dynmo_lightning.balance.tracker import CostTracker
+
+#: Planning methods: ``"optimal"`` and ``"diffusion"`` re-plan at every check; ``"static_time"`` and ``"params"``
+#: plan once (torchgpipe's balance_by_time, DeepSpeed's parameter balance); ``"random"`` moves to a random split at
+#: every check (a chaos test of layer migration, never a performance policy).
+METHODS = ("optimal", "diffusion", "static_time", "params", "random")
+
+#: Methods that plan once and never again.
+ONE_SHOT = ("static_time", "params")
+
+#: What a check can decide.
+KEEP, MIGRATE, REPACK = "keep", "migrate", "repack"
+
+#: Bytes per second a migration is assumed to move until one has been measured.
+DEFAULT_BANDWIDTH = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineShape:
+    """The pipeline a policy plans for.
+
+    Attributes:
+        layers_per_stage: the split in force.
+        n_ranks: processes of the pipeline (stage ``s`` runs on rank ``s % n_ranks``).
+        n_microbatches: micro-batches per step.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        param_counts: parameters of each layer (for ``method="params"``).
+    """
+
+    layers_per_stage: list[int]
+    n_ranks: int
+    n_microbatches: int
+    schedule: str = "1f1b"
+    param_counts: Sequence[int] | None = None
+
+    @property
+    def n_stages(self) -> int:
+        """Stages of the split in force."""
+        return len(self.layers_per_stage)
+
+    @property
+    def cost_schedule(self) -> str:
+        """The cost model's name for the schedule (interleaved 1F1B runs at the pace of 1F1B)."""
+        return "gpipe" if self.schedule == "gpipe" else "1f1b"
+
+    @property
+    def inflight(self) -> int:
+        """Micro-batches whose activations a stage may hold at once under the schedule."""
+        return self.n_microbatches if self.schedule == "gpipe" else min(self.n_microbatches, self.n_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One outcome of a check, with the numbers behind it.
+
+    Attributes:
+        action: :data:`KEEP`, :data:`MIGRATE` or :data:`REPACK`.
+        current: the split before.
+        proposed: the split after (the planned split, also when it is kept out of force).
+        keep_ranks: for a repack, the current ranks that keep running (in order).
+        current_step_s: predicted step time of ``current``.
+        predicted_step_s: predicted step time of ``proposed``.
+        bytes_moved: bytes of the layers that change rank.
+        migration_s: predicted time of the move.
+        saving_s: predicted saving until the next check (before subtracting ``migration_s``).
+        info: method-specific numbers (``diffusion_rounds``).
+    """
+
+    action: str
+    current: list[int]
+    proposed: list[int]
+    keep_ranks: list[int] | None = None
+    current_step_s: float = 0.0
+    predicted_step_s: float = 0.0
+    bytes_moved: float = 0.0
+    migration_s: float = 0.0
+    saving_s: float = 0.0
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class BalancePolicy:
+    """Measured costs, cadence and the keep / migrate / repack decision of DynMo's balancer.
+
+    Args:
+        method: one of :data:`METHODS`.
+        every_n_steps: optimizer steps between checks.
+        warmup_steps: steps before profiling starts (and before the first check).
+        profile_every_n_steps: profile one step in this many (default ``every_n_steps // 5``, at least 1).
+        min_gain: smallest predicted relative step-time gain worth a migration.
+        p2p: one-hop activation transfer time for the cost model.
+        bandwidth: bytes per second a migration moves, until measured (:meth:`record_migration`).
+        migration_overhead: fixed seconds added to every predicted migration (rebuilding stages and schedules).
+        smoothing: weight of a new measurement in the tracker's moving average.
+        window: measurements per layer the tracker's median is taken over.
+        memory_capacity: bytes a stage may hold (one number, or one per stage); ``None`` ignores memory.
+        repack: after each check, consolidate onto the fewest ranks predicted within ``repack_tolerance``.
+        repack_tolerance: accepted relative slow-down of a repack.
+        min_stages: never repack below this many ranks.
+        react_samples: fresh measurements of changed layers the check after an event waits for (0: no reaction,
+            wait for the regular check).
+        seed: seed of ``method="random"``.
+
+    Raises:
+        ValueError: a setting is out of range (the message names it).
+    """
+
+    def __init__(
+        self,
+        method: str = "optimal",
+        *,
+        every_n_steps: int = 50,
+        warmup_steps: int = 0,
+        profile_every_n_steps: int | None = None,
+        min_gain: float = 0.05,
+        p2p: float = 0.0,
+        bandwidth: float = DEFAULT_BANDWIDTH,
+        migration_overhead: float = 0.0,
+        smoothing: float = 0.5,
+        window: int = 5,
+        memory_capacity: float | list[float] | None = None,
+        repack: bool = False,
+        repack_tolerance: float = 0.05,
+        min_stages: int = 1,
+        react_samples: int = 3,
+        seed: int = 0,
+    ) -> None:
+        _check_settings(method, every_n_steps, warmup_steps, profile_every_n_steps, smoothing, repack_tolerance)
+        if min_stages < 1:
+            raise ValueError(f"balancer.min_world_size={min_stages} must be >= 1")
+        if not bandwidth > 0:
+            raise ValueError(f"bandwidth must be > 0 bytes per second, got {bandwidth!r}")
+        self.method = method
+        self.every_n_steps = every_n_steps
+        self.warmup_steps = warmup_steps
+        self.profile_every_n_steps = profile_every_n_steps or max(1, every_n_steps // 5)
+        self.min_gain = min_gain
+        self.p2p = p2p
+        self.bandwidth = bandwidth
+        self.migration_overhead = migration_overhead
+        self.smoothing = smoothing
+        self.window = window
+        self.memory_capacity = memory_capacity
+        self.repack = repack
+        self.repack_tolerance = repack_tolerance
+        self.min_stages = min_stages
+        self.react_samples = react_samples
+        self.tracker: CostTracker | None = None
+        self.planned_once = False
+        #: Fresh measurements since the last event (``None``: no event waiting for its check).
+        self.after_event: int | None = None
+        self._rng = random.Random(seed)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def start(self, n_layers: int) -> CostTracker:
+        """Begin (or continue) measuring a model of ``n_layers`` layers; returns the tracker."""
+        if self.tracker is None or self.tracker.n_layers != n_layers:
+            self.tracker = CostTracker(n_layers, self.smoothing, self.window)
+        return self.tracker
+
+    @property
+    def done(self) -> bool:
+        """Whether the policy will never plan again (a one-shot method that has planned)."""
+        return self.method in ONE_SHOT and self.planned_once
+
+    def wants_profile(self, step: int) -> bool:
+        """Whether the step about to run (``step`` steps done before it) should be profiled."""
+        if self.method == "random" or self.done or step < self.warmup_steps:
+            return False
+        if self.after_event is not None:
+            return True
+        return (step + 1) % self.profile_every_n_steps == 0 or (step + 1) % self.every_n_steps == 0
+
+    def observe(self, measured: dict[int, dict[str, float]]) -> None:
+        """Fold one profiled step's costs (``{layer: {field: value}}``, every layer) into the tracker."""
+        if self.tracker is None:
+            self.start(len(measured))
+        assert self.tracker is not None
+        self.tracker.update(measured)
+        if self.after_event is not None:
+            self.after_event += 1
+
+    def layers_changed(self, layers: Iterable[int]) -> None:
+        """An event: ``layers`` changed (a dynamic technique froze or pruned them); react (see the module docstring)."""
+        if self.tracker is None or self.method == "random" or self.done or not self.react_samples:
+            return
+        self.tracker.restart(layers)
+        self.after_event = 0
+
+    def due(self, step: int) -> bool:
+        """Whether a check is due now that ``step`` optimizer steps are done."""
+        if step <= self.warmup_steps or self.done:
+            return False
+        reacting = self.after_event is not None and self.after_event >= self.react_samples
+        if step % self.every_n_steps and not reacting:
+            return False
+        return self.method in ("random", "params") or bool(self.tracker and self.tracker.samples)
+
+    def record_migration(self, moved: float, seconds: float) -> None:
+        """Fold a measured migration (``moved`` bytes in ``seconds``) into the bandwidth estimate."""
+        if moved and seconds > 0:
+            self.bandwidth = 0.5 * self.bandwidth + 0.5 * (moved / seconds)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def plan(self, pipe: PipelineShape) -> tuple[list[int], dict[str, Any]]:
+        """The split ``method`` proposes for the tracked costs (no decision, no state change but the random draw)."""
+        n_layers, n_stages = sum(pipe.layers_per_stage), pipe.n_stages
+        if self.method == "random":
+            cuts = sorted(self._rng.sample(range(1, n_layers), n_stages - 1))
+            return [b - a for a, b in itertools.pairwise([0, *cuts, n_layers])], {}
+        if self.method == "params":
+            if pipe.param_counts is None:
+                raise ValueError("method='params' needs the layers' parameter counts")
+            return partition(list(pipe.param_counts), n_stages, method="params"), {}
+        assert self.tracker is not None
+        memory, capacity = self._memory(pipe)
+        if self.method == "diffusion":
+            result = diffuse(self.tracker.compute, pipe.layers_per_stage, memory=memory, capacity=capacity)
+            return result.layers_per_stage, {"diffusion_rounds": result.rounds}
+        return partition(self.tracker.compute, n_stages, method="optimal", memory=memory, capacity=capacity), {}
+
+    def decide(self, pipe: PipelineShape) -> list[Decision]:
+        """Run a check: ``[keep or migrate]``, followed by a repack when ``repack`` finds one.
+
+        Args:
+            pipe: the pipeline now.
+
+        Returns:
+            The decisions, to be carried out in order (a repack plans from the split after the migration).
+        """
+        proposed, info = self.plan(pipe)
+        decision = self._migration(pipe, proposed, info)
+        self.planned_once = True
+        self.after_event = None
+        decisions = [decision]
+        if self.repack and self.method != "random" and pipe.n_ranks > self.min_stages:
+            after = decision.proposed if decision.action == MIGRATE else pipe.layers_per_stage
+            repack = self._repack(dataclasses.replace(pipe, layers_per_stage=after))
+            if repack is not None:
+                decisions.append(repack)
+        return decisions
+
+    def _migration(self, pipe: PipelineShape, proposed: list[int], info: dict[str, Any]) -> Decision:
+        current = list(pipe.layers_per_stage)
+        if self.method in ("random", "params") or proposed == current:
+            return Decision(MIGRATE if proposed != current else KEEP, current, proposed, info=info)
+        assert self.tracker is not None
+        v = self.tracker.values
+        moved = bytes_moved(current, proposed, self.layer_bytes(), pipe.n_ranks)
+        seconds = moved / self.bandwidth + self.migration_overhead
+        go, saving = should_repartition(
+            v["fwd"],
+            v["bwd"],
+            current,
+            proposed,
+            n_microbatches=pipe.n_microbatches,
+            schedule=pipe.cost_schedule,
+            p2p=self.p2p,
+            steps_until_next_check=self.every_n_steps,
+            migration_cost=seconds,
+            min_gain=self.min_gain if self.method != "static_time" else 0.0,
+        )
+        now, new = (self._step_time(pipe, split) for split in (current, proposed))
+        return Decision(MIGRATE if go else KEEP, current, proposed, None, now, new, moved, seconds, saving, info)
+
+    def _repack(self, pipe: PipelineShape) -> Decision | None:
+        assert self.tracker is not None
+        v = self.tracker.values
+        memory, capacity = self._memory(pipe)
+        plan = plan_repack(
+            v["fwd"],
+            v["bwd"],
+            pipe.layers_per_stage,
+            n_microbatches=pipe.n_microbatches,
+            schedule=pipe.cost_schedule,
+            p2p=self.p2p,
+            tolerance=self.repack_tolerance,
+            min_stages=self.min_stages,
+            layer_bytes=self.layer_bytes(),
+            memory=memory,
+            capacity=capacity,
+        )
+        if plan is None:
+            return None
+        seconds = plan.bytes_moved / self.bandwidth + self.migration_overhead
+        return Decision(
+            REPACK,
+            list(pipe.layers_per_stage),
+            plan.layers_per_stage,
+            plan.keep_ranks,
+            plan.current_step_time,
+            plan.step_time,
+            plan.bytes_moved,
+            seconds,
+        )
+
+    def layer_bytes(self) -> list[float]:
+        """Bytes that move with each layer: its parameters plus their optimizer state."""
+        assert self.tracker is not None
+        v = self.tracker.values
+        return [p + o for p, o in zip(v["param_bytes"], v["optim_bytes"], strict=True)]
+
+    def _step_time(self, pipe: PipelineShape, split: list[int]) -> float:
+        assert self.tracker is not None
+        v = self.tracker.values
+        return step_time(*stage_times(v["fwd"], v["bwd"], split), pipe.n_microbatches, pipe.cost_schedule, self.p2p)
+
+    def _memory(self, pipe: PipelineShape) -> tuple[list[float] | None, Any]:
+        if self.memory_capacity is None:
+            return None, None
+        assert self.tracker is not None
+        return self.tracker.memory(pipe.inflight), self.memory_capacity
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state: the tracked costs, the bandwidth estimate, whether it planned, the random state."""
+        return {
+            "tracker": self.tracker.state_dict() if self.tracker is not None else None,
+            "bandwidth": self.bandwidth,
+            "planned_once": self.planned_once,
+            "after_event": self.after_event,
+            "rng": self._rng.getstate(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], n_layers: int | None = None) -> None:
+        """Restore :meth:`state_dict` (the tracker once ``n_layers`` is known)."""
+        self.bandwidth = float(state.get("bandwidth", DEFAULT_BANDWIDTH))
+        self.planned_once = bool(state.get("planned_once", False))
+        self.after_event = state.get("after_event")
+        if state.get("rng") is not None:
+            version, internal, gauss = state["rng"]  # a checkpoint turns the tuples into lists
+            self._rng.setstate((version, tuple(internal), gauss))
+        if n_layers is not None and state.get("tracker") is not None:
+            self.start(n_layers).load_state_dict(state["tracker"])
+
+
+def _check_settings(
+    method: str,
+    every_n_steps: int,
+    warmup_steps: int,
+    profile_every_n_steps: int | None,
+    smoothing: float,
+    repack_tolerance: float,
+) -> None:
+    if method not in METHODS:
+        raise ValueError(f"balancer.method={method!r} is not one of {list(METHODS)}")
+    if not isinstance(every_n_steps, int) or every_n_steps < 1:
+        raise ValueError(f"balancer.every_n_steps={every_n_steps!r} must be an integer >= 1")
+    if warmup_steps < 0:
+        raise ValueError(f"balancer.warmup_steps={warmup_steps} must be >= 0")
+    if profile_every_n_steps is not None and profile_every_n_steps < 1:
+        raise ValueError(f"balancer.profile_every_n_steps={profile_every_n_steps} must be >= 1")
+    if not 0.0 < smoothing <= 1.0:
+        raise ValueError(f"balancer.smoothing={smoothing} must be in (0, 1]")
+    if repack_tolerance < 0:
+        raise ValueError(f"balancer.repack_tolerance={repack_tolerance} must be >= 0")

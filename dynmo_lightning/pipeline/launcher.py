@@ -1,0 +1,183 @@
+"""Start the job's processes, after refusing what the launching process can already see is wrong.
+
+Lightning's launcher starts the worker processes before the strategy sees the model, so a mistake found in set-up
+(more stages than layers, a batch that does not split into micro-batches) would be reported by every worker, after
+all of them started. :class:`PipelineLauncher` receives the arguments of ``trainer.fit`` (and ``validate``,
+``test``, ``predict``) and checks them first, in the launching process: one message, before any worker starts.
+Under torchrun or SLURM, where every process is started from outside, each process runs the same checks before it
+joins the job. The checks here are also what the strategy runs in set-up, so both paths say the same thing.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from dynmo_lightning.pipeline.layout import check_batch
+from dynmo_lightning.pipeline.runtime import SCHEDULES
+from dynmo_lightning.pipeline.split import PARTITIONS, initial_partition
+from dynmo_lightning.protocol import ProtocolError, check_protocol
+
+
+def check_arguments(
+    n_microbatches: Any,
+    schedule: Any,
+    partition: Any,
+    stages_per_rank: Any,
+    data_parallel_size: Any,
+    heartbeat_timeout: float,
+) -> None:
+    """Refuse bad ``DynMoStrategy`` arguments with a message naming the setting.
+
+    Raises:
+        ValueError: a setting is out of range or unknown.
+    """
+    if not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"strategy.n_microbatches={n_microbatches!r} must be a positive integer")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"strategy.schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
+    if isinstance(partition, str) and partition not in PARTITIONS:
+        raise ValueError(
+            f"strategy.partition={partition!r} is not one of {list(PARTITIONS)} or a list of layers per stage"
+        )
+    if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+        raise ValueError(f"strategy.stages_per_rank={stages_per_rank!r} must be a positive integer")
+    if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"strategy.data_parallel_size={data_parallel_size!r} must be a positive integer")
+    if heartbeat_timeout <= 0:
+        raise ValueError(f"strategy.heartbeat_timeout={heartbeat_timeout} must be > 0 seconds")
+
+
+def check_world(world_size: int, data_parallel_size: int) -> None:
+    """Refuse a job whose processes do not divide into equal pipeline replicas."""
+    if world_size % data_parallel_size:
+        raise ValueError(
+            f"strategy.data_parallel_size={data_parallel_size} does not divide the job's {world_size} processes "
+            "(Trainer devices x num_nodes): every replica needs the same number of pipeline stages. Use a divisor "
+            f"of {world_size}, or change the number of processes."
+        )
+
+
+def check_trainer(trainer: pl.Trainer, module: pl.LightningModule, precision: Precision) -> None:
+    """Refuse Trainer settings the pipeline cannot honour (each message says what to use instead)."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported by "
+            "DynMoStrategy: the pipeline already accumulates gradients over micro-batches. Use a larger batch "
+            "with strategy n_microbatches instead (e.g. multiply both by the accumulation factor)."
+        )
+    if not module.automatic_optimization:
+        raise ValueError(
+            "DynMoStrategy needs automatic optimization (the pipeline schedule runs backward itself); remove "
+            "`self.automatic_optimization = False` from the module."
+        )
+    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+        raise ValueError(
+            "precision='16-mixed' needs gradient scaling inside the pipeline schedule, which DynMoStrategy does "
+            "not do; use precision='bf16-mixed' (or '32-true')."
+        )
+
+
+def check_model(module: Any) -> None:
+    """Refuse a module that is not pipeline-ready, or that Lightning would refuse (no ``training_step``)."""
+    if not (callable(getattr(module, "pipeline_layers", None)) and callable(getattr(module, "pipeline_loss", None))):
+        check_protocol(module)  # raises the explanatory ProtocolError
+    if not is_overridden("training_step", module):
+        raise ProtocolError(
+            f"{type(module).__name__} has no training_step; Lightning requires one even though DynMoStrategy runs "
+            "the pipeline itself. Subclass dynmo_lightning.PipelineModule (it provides the steps from "
+            "pipeline_layers/pipeline_loss, also for single-process runs) instead of LightningModule."
+        )
+
+
+def count_layers(module: pl.LightningModule) -> int | None:
+    """The number of pipeline layers of ``module``, without building its weights (``None`` when it cannot tell).
+
+    A module that creates its layers in ``configure_model`` has no parameters yet: a copy builds them on the meta
+    device (the module itself stays untouched, so callbacks can still configure it before its layers exist).
+    """
+    try:
+        if next(module.parameters(), None) is not None:
+            return len(check_protocol(module))
+        shell = copy.deepcopy(module)
+        with torch.device("meta"):
+            shell.configure_model()
+            return len(check_protocol(shell))
+    except Exception:
+        return None  # the strategy checks the real module in set-up, on every process
+
+
+def batch_sizes(args: Iterable[Any]) -> list[int]:
+    """Batch sizes of the dataloaders (and a datamodule's ``batch_size``) among a Trainer call's arguments."""
+    sizes = []
+    for arg in args:
+        loaders = arg if isinstance(arg, (list, tuple)) else [arg]
+        sizes += [dl.batch_size for dl in loaders if isinstance(dl, DataLoader) and isinstance(dl.batch_size, int)]
+        if isinstance(arg, pl.LightningDataModule):
+            size = getattr(arg, "batch_size", None) or arg.hparams.get("batch_size")
+            if isinstance(size, int):
+                sizes.append(size)
+    return sizes
+
+
+def check_batch_sizes(args: Iterable[Any], n_microbatches: int, n_parts: int = 1) -> None:
+    """Refuse dataloaders whose batches cannot split into ``n_parts`` parts of ``n_microbatches`` micro-batches."""
+    for size in batch_sizes(args):
+        check_batch(size, n_microbatches, n_parts)
+
+
+def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
+    """What the launching process can check of a job: Trainer settings, replicas, stages, schedule, batch sizes.
+
+    Args:
+        strategy: the ``DynMoStrategy`` (its settings are read here).
+        trainer: the Trainer.
+        *call_args: the arguments of the Trainer call (``fit``: model, loaders, datamodule, ...).
+
+    Raises:
+        ValueError: the job cannot run; the message names the setting and how to fix it.
+    """
+    module = call_args[0] if call_args else None
+    world_size = strategy.num_nodes * strategy.num_processes
+    check_world(world_size, strategy.data_parallel_size)
+    if isinstance(module, pl.LightningModule):
+        check_model(module)
+        check_trainer(trainer, module, strategy.precision_plugin.inner)
+        n_layers = count_layers(module)
+        if n_layers is not None:
+            initial_partition(
+                strategy.partition,
+                [1] * n_layers,
+                pp_size=world_size // strategy.data_parallel_size,
+                stages_per_rank=strategy.stages_per_rank,
+                schedule=strategy.schedule,
+                n_microbatches=strategy.n_microbatches,
+            )
+    check_batch_sizes(call_args[1:], strategy.n_microbatches)
+
+
+class PipelineLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, with :func:`check_job` run before any worker starts.
+
+    Args:
+        strategy: the ``DynMoStrategy`` (its settings are read when the Trainer launches).
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        self._strategy = strategy
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            check_job(self._strategy, trainer, *args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)

@@ -1,0 +1,283 @@
+"""Who is who in a DP x PP job: pipeline replicas, their data shards and batch parts, and THE rank mapping.
+
+Also how the user's dataloaders are sharded over the replicas (:func:`shard_dataloader`).
+
+A job of ``W`` processes runs ``D`` replicas of a pipeline of ``P`` processes. :class:`ReplicaLayout` holds, per
+replica, the global ranks of its pipeline by pipeline rank (the rows of the ``("dp", "pp")`` device mesh), the data
+shard its sampler reads and which part of that shard's batches it trains on (replicas grown from released processes
+split the batches of the replica they came from). Every translation between a pipeline rank and a global rank goes
+through :meth:`ReplicaLayout.global_rank`. :func:`make_mesh` creates the process groups of a layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaLayout:
+    """Replicas of the pipeline and the data each one trains on.
+
+    Attributes:
+        replicas: per replica, the global ranks of its pipeline by pipeline rank.
+        shards: per replica, ``(shard, n_shards)`` of the dataset its sampler reads.
+        parts: per replica, ``(part, n_parts)``: the contiguous part of its shard's batches it trains on.
+    """
+
+    replicas: list[list[int]]
+    shards: list[tuple[int, int]]
+    parts: list[tuple[int, int]]
+
+    @classmethod
+    def even(cls, world_size: int, data_parallel_size: int) -> ReplicaLayout:
+        """``data_parallel_size`` replicas on consecutive ranks, each reading its own shard whole."""
+        d, p = data_parallel_size, world_size // data_parallel_size
+        return cls([list(range(i * p, (i + 1) * p)) for i in range(d)], [(i, d) for i in range(d)], [(0, 1)] * d)
+
+    @property
+    def dp_size(self) -> int:
+        """Number of replicas."""
+        return len(self.replicas)
+
+    @property
+    def pp_size(self) -> int:
+        """Processes of one pipeline."""
+        return len(self.replicas[0])
+
+    @property
+    def n_shards(self) -> int:
+        """Shards the data is cut into (fewer than the replicas when grown replicas share a shard)."""
+        return self.shards[0][1]
+
+    @property
+    def order(self) -> list[int]:
+        """Every global rank of the job, replica by replica, in pipeline order."""
+        return [rank for replica in self.replicas for rank in replica]
+
+    def dp_rank(self, global_rank: int) -> int:
+        """Index of the replica ``global_rank`` belongs to."""
+        return next(d for d, ranks in enumerate(self.replicas) if global_rank in ranks)
+
+    def pp_rank(self, global_rank: int) -> int:
+        """Pipeline rank of ``global_rank`` within its replica."""
+        return self.replicas[self.dp_rank(global_rank)].index(global_rank)
+
+    def global_rank(self, pp_rank: int, dp_rank: int) -> int:
+        """Global rank of pipeline rank ``pp_rank`` of replica ``dp_rank``."""
+        return self.replicas[dp_rank][pp_rank]
+
+    def stage_ranks(self, pp_rank: int) -> list[int]:
+        """Global ranks holding pipeline rank ``pp_rank`` in every replica (the stage's replica group)."""
+        return [replica[pp_rank] for replica in self.replicas]
+
+    def renumbered(self) -> ReplicaLayout:
+        """The layout in a new world whose ranks are this layout's :attr:`order` (0, 1, ...)."""
+        new = {rank: i for i, rank in enumerate(self.order)}
+        return ReplicaLayout([[new[r] for r in replica] for replica in self.replicas], self.shards, self.parts)
+
+    def take_part(self, dp_rank: int, batch: Any) -> Any:
+        """Replica ``dp_rank``'s contiguous part of a training batch its shard delivered (tensors cut on dim 0)."""
+        part, n_parts = self.parts[dp_rank]
+        if n_parts == 1:
+            return batch
+
+        def cut(t: Tensor) -> Tensor:
+            n = t.shape[0] // n_parts
+            return t.narrow(0, part * n, n)
+
+        return apply_to_collection(batch, Tensor, cut)
+
+    def regroup(
+        self, keep_ranks: list[int], on_release: str, batch_size: int | None, n_microbatches: int
+    ) -> tuple[ReplicaLayout, list[tuple[int, int]]]:
+        """The layout after every replica is packed onto its pipeline ranks ``keep_ranks``.
+
+        With ``on_release="data_parallel"`` the processes a replica frees form as many new replicas of the smaller
+        pipeline as they make whole, splitting the batches of the replica they came from, as long as a batch of
+        ``batch_size`` divides into that many parts of whole micro-batches (otherwise fewer, with a warning).
+
+        Returns:
+            The new layout (in the current global ranks) and the ``(src, dst)`` global-rank pairs whose layers must
+            be copied to make the new replicas.
+        """
+        replicas: list[list[int]] = []
+        shards: list[tuple[int, int]] = []
+        parts: list[tuple[int, int]] = []
+        copies: list[tuple[int, int]] = []
+        p = len(keep_ranks)
+        for d, ranks in enumerate(self.replicas):
+            kept = [ranks[r] for r in keep_ranks]
+            freed = [rank for r, rank in enumerate(ranks) if r not in keep_ranks]
+            part, n_parts = self.parts[d]
+            k = 1
+            if on_release == "data_parallel":
+                k = 1 + len(freed) // p
+                while k > 1 and not _splits_into(batch_size, n_microbatches, n_parts * k):
+                    k -= 1  # as many replicas as split the batch evenly
+            for j in range(k):
+                replica = kept if j == 0 else freed[(j - 1) * p : j * p]
+                replicas.append(replica)
+                shards.append(self.shards[d])
+                parts.append((part * k + j, n_parts * k))
+                if j:
+                    copies += list(zip(kept, replica, strict=True))
+        return ReplicaLayout(replicas, shards, parts), copies
+
+
+def batch_error(batch_size: int, n_microbatches: int, n_parts: int = 1) -> ValueError | None:
+    """Why a batch cannot be cut into ``n_parts`` replicas' parts of ``n_microbatches`` micro-batches, or ``None``.
+
+    Args:
+        batch_size: samples in the batch.
+        n_microbatches: micro-batches each part runs.
+        n_parts: replicas that split the batch (1 unless released processes became replicas).
+    """
+    if batch_size % n_parts:
+        return ValueError(
+            f"A batch of {batch_size} samples does not split into the {n_parts} replicas that share it (released "
+            "processes joined as data-parallel replicas). Use batches that are full (drop_last=True) and a "
+            "multiple of the replicas times strategy.n_microbatches."
+        )
+    if (batch_size // n_parts) % n_microbatches:
+        return ValueError(
+            f"A batch of {batch_size // n_parts} samples does not split into strategy.n_microbatches={n_microbatches} "
+            f"equal micro-batches. Make the batch size a multiple of {n_microbatches} (and use drop_last=True so the "
+            "last batch of an epoch is full), or change n_microbatches."
+        )
+    return None
+
+
+def check_batch(batch_size: int, n_microbatches: int, n_parts: int = 1) -> None:
+    """Raise :func:`batch_error`'s error, if there is one."""
+    error = batch_error(batch_size, n_microbatches, n_parts)
+    if error is not None:
+        raise error
+
+
+def _splits_into(batch_size: int | None, n_microbatches: int, n_parts: int) -> bool:
+    """Whether a training batch splits into ``n_parts`` replicas' parts of whole micro-batches (warns if not)."""
+    if batch_size is None:
+        return False
+    if batch_error(batch_size, n_microbatches, n_parts) is not None:
+        rank_zero_warn(
+            f"on_release='data_parallel': a batch of {batch_size} samples does not split into {n_parts} parts of "
+            f"whole micro-batches (strategy.n_microbatches={n_microbatches}); fewer released processes become "
+            "replicas (the rest exit)."
+        )
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineGroup:
+    """This process's pipeline: its pipeline rank, the process group, and the members' global ranks.
+
+    Point-to-point calls address global ranks; :meth:`global_rank` is how the pipeline runtime, layer migration and
+    the strategy translate (a row of :attr:`ReplicaLayout.replicas`).
+
+    Attributes:
+        rank: this process's pipeline rank.
+        group: the pipeline's process group (``None``: the default group, when there is one replica).
+        ranks: global rank of every pipeline rank.
+    """
+
+    rank: int
+    group: dist.ProcessGroup | None
+    ranks: list[int]
+
+    @property
+    def size(self) -> int:
+        """Processes of the pipeline."""
+        return len(self.ranks)
+
+    def global_rank(self, pp_rank: int) -> int:
+        """Global rank of pipeline rank ``pp_rank``."""
+        return self.ranks[pp_rank]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """The process groups of a layout, seen from one process.
+
+    Attributes:
+        pipeline: this process's pipeline.
+        dp_group: this process's stage across the replicas (``None`` with one replica).
+        device_mesh: the ``("dp", "pp")`` ``DeviceMesh`` over the same groups.
+    """
+
+    pipeline: PipelineGroup
+    dp_group: dist.ProcessGroup | None
+    device_mesh: Any
+
+
+def make_mesh(layout: ReplicaLayout, global_rank: int, timeout: timedelta, device_type: str) -> Mesh:
+    """Create the groups of ``layout`` (collective: every process of the job makes every group).
+
+    The groups are made here (with the strategy's timeout) and handed to ``DeviceMesh.from_group``: the mesh's own
+    group creation would use torch's 30-minute default timeout.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    d = layout.dp_size
+    pp_group = dp_group = None
+    for ranks in layout.replicas:
+        group = dist.new_group(ranks, timeout=timeout) if d > 1 else _group.WORLD
+        if global_rank in ranks:
+            pp_group = group
+    for stage in range(layout.pp_size):
+        ranks = layout.stage_ranks(stage)
+        group = dist.new_group(ranks, timeout=timeout)
+        if global_rank in ranks:
+            dp_group = group
+    mesh = DeviceMesh.from_group([dp_group, pp_group], device_type, mesh=layout.replicas, mesh_dim_names=("dp", "pp"))
+    dp = layout.dp_rank(global_rank)
+    # One replica: the pipeline is the default group (as before data parallelism existed).
+    pipeline = PipelineGroup(layout.pp_rank(global_rank), pp_group if d > 1 else None, list(layout.replicas[dp]))
+    return Mesh(pipeline, dp_group if d > 1 else None, mesh)
+
+
+def shard_dataloader(dataloader: Any, shard: int, n_shards: int, seed: int) -> Any:
+    """The user's dataloader as one shard of ``n_shards`` sees it: its order and its shuffle choice kept.
+
+    Every stage of a pipeline must see the same batches. One pipeline (``n_shards == 1``) keeps the loader as it is,
+    the order of single-device training, with one exception: a ``RandomSampler`` that draws from the global random
+    state (which dropout consumes differently on every stage) becomes a ``DistributedSampler`` of one shard seeded
+    with ``seed``: the same order on every process, fixed per epoch, so a resumed run sees the same batches. With
+    replicas the data is sharded as DDP shards it, shuffled only if the user's loader shuffles (Lightning's own
+    injection would always shuffle training data); other samplers are sharded around (``DistributedSamplerWrapper``).
+    Loaders of iterable datasets, without batches, or already sharded over several replicas are left alone.
+    """
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return dataloader
+    sampler = dataloader.sampler
+    if dataloader.batch_sampler is None or (isinstance(sampler, DistributedSampler) and sampler.num_replicas > 1):
+        return dataloader
+    plain = type(sampler) in (RandomSampler, SequentialSampler) and not getattr(sampler, "replacement", False)
+    if isinstance(sampler, DistributedSampler):  # one shard: keep its shuffle, seed and drop_last
+        if n_shards == 1:
+            return dataloader
+        shuffle, seed, drop_last = sampler.shuffle, sampler.seed, sampler.drop_last
+    elif plain:
+        shuffle, drop_last = isinstance(sampler, RandomSampler), False
+        if shuffle and sampler.generator is not None and n_shards == 1:
+            return dataloader  # the user seeded it: every stage draws the same order
+    else:
+        if n_shards == 1:
+            return dataloader
+        wrapped = DistributedSamplerWrapper(sampler, num_replicas=n_shards, rank=shard, shuffle=False)
+        return _update_dataloader(dataloader, wrapped)
+    if n_shards == 1 and not shuffle:
+        return dataloader  # sequential: exactly the single-device order
+    sharded = DistributedSampler(dataloader.dataset, n_shards, shard, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    return _update_dataloader(dataloader, sharded)

@@ -1,0 +1,239 @@
+"""The stages one process runs: the layers it holds, the schedule that runs them, and moving layers in and out.
+
+:class:`LocalStages` is what the strategy delegates the model side of the pipeline to. It owns the split model
+(:mod:`~dynmo_lightning.pipeline.split`: which layers live here, under which names), the ties between layers of
+different stages (:mod:`~dynmo_lightning.pipeline.ties`) and the schedule runtime
+(:mod:`~dynmo_lightning.pipeline.runtime`), and keeps the three consistent whenever layers move
+(:mod:`~dynmo_lightning.pipeline.migration`): after a re-partition, a consolidation, or a restart of the world.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from dynmo_lightning.pipeline import reduce
+from dynmo_lightning.pipeline.layers import LayerSlots
+from dynmo_lightning.pipeline.layout import PipelineGroup, ReplicaLayout
+from dynmo_lightning.pipeline.migration import MigrationStats, migrate, pack
+from dynmo_lightning.pipeline.runtime import PipelineRuntime, StagePlan, StepResult
+from dynmo_lightning.pipeline.split import count_params, initial_partition, pipeline_layers, split_module
+from dynmo_lightning.pipeline.ties import TiedParameters
+
+
+class LocalStages:
+    """This process's pipeline stages (see the module docstring).
+
+    Args:
+        module: the LightningModule, split in place (other stages' layers become placeholders).
+        layers: its pipeline layers.
+        plan: the first partition.
+        pipe: this process's pipeline.
+        layout: returns the job's replica layout and this process's replica (for the ties' groups).
+        device: where this stage's layers live.
+        seed: base seed of the per-layer initialisation.
+        schedule: the schedule's name.
+        n_microbatches: micro-batches per step.
+        timeout: timeout of the ties' process groups.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        layers: list[nn.Module],
+        plan: StagePlan,
+        pipe: PipelineGroup,
+        layout: Callable[[], tuple[ReplicaLayout, int]],
+        *,
+        device: torch.device,
+        seed: int,
+        schedule: str,
+        n_microbatches: int,
+        timeout: timedelta,
+    ) -> None:
+        self.module = module
+        self.device = device
+        self.split = split_module(module, layers, plan, pipe.rank, device, seed)
+        self.ties = TiedParameters(self.split.ties, layout, timeout)
+        self.ties.follow(self.slots, plan, pipe.rank)
+        self.ties.sync_values(self.slots, plan, pipe.rank)
+        self.runtime = PipelineRuntime(
+            self.slots,
+            plan,
+            pipe=pipe,
+            device=device,
+            schedule=schedule,
+            n_microbatches=n_microbatches,
+            loss_fn=module.pipeline_loss,
+        )
+        self._profiled: dict[int, dict[str, float]] | None = None
+        self._pending: list[tuple[Tensor, Tensor]] = []
+        self._changed: dict[int, set[int]] = {}  # optimizer steps done -> layers the dynamics changed
+
+    @classmethod
+    def from_module(
+        cls,
+        module: nn.Module,
+        partition: str | list[int],
+        pipe: PipelineGroup,
+        layout: Callable[[], tuple[ReplicaLayout, int]],
+        *,
+        stages_per_rank: int,
+        schedule: str,
+        n_microbatches: int,
+        device: torch.device,
+        timeout: timedelta,
+    ) -> LocalStages:
+        """Split ``module`` with its first partition (``"uniform"``, ``"params"`` or a list; see pipeline/split)."""
+        layers = pipeline_layers(module)
+        kwargs = {"pp_size": pipe.size, "stages_per_rank": stages_per_rank, "n_microbatches": n_microbatches}
+        lps = initial_partition(partition, count_params(layers), schedule=schedule, **kwargs)
+        seed = int(getattr(module, "pipeline_init_seed", 0))
+        plan = StagePlan(tuple(lps), pipe.size)
+        return cls(
+            module,
+            layers,
+            plan,
+            pipe,
+            layout,
+            device=device,
+            seed=seed,
+            schedule=schedule,
+            n_microbatches=n_microbatches,
+            timeout=timeout,
+        )
+
+    @property
+    def slots(self) -> LayerSlots:
+        """Where every layer sits in the module, and which ones this process holds."""
+        return self.split.slots
+
+    @property
+    def plan(self) -> StagePlan:
+        """The partition in force."""
+        return self.runtime.plan
+
+    @property
+    def pipe(self) -> PipelineGroup:
+        """This process's pipeline."""
+        return self.runtime.pipe
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def train(self, inputs: Any, target: Tensor, params: Sequence[Tensor]) -> Tensor:
+        """Forward and backward of every micro-batch into the ``.grad`` of ``params``; the loss on every process.
+
+        The copies of a tie held by several stages get the sum of their gradients, as the unsplit model's one tensor.
+        """
+        for p in params:
+            p.grad = None
+        result = self.runtime.step(inputs, target, train=True)
+        self.ties.reduce_grads(self.slots, self.plan, self.pipe.rank)
+        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.device)
+
+    def average_replicas(self, params: Sequence[Tensor], loss: Tensor, group: Any, n: int) -> None:
+        """Average gradients, the loss and data-adapted buffers over ``n`` replicas (``group``), as DDP does."""
+        reduce.average_gradients(params, group, n, self.device)
+        reduce.average_loss(loss, group, n)
+        reduce.sync_replica_buffers(self.slots, group, n)
+
+    def park_grads(self, params: Sequence[Tensor]) -> None:
+        """Take the gradients off ``params`` until :meth:`restore_grads` (Lightning zeroes them in between)."""
+        self._pending = [(p, p.grad) for p in params if p.grad is not None]
+        for p, _ in self._pending:
+            p.grad = None
+
+    def restore_grads(self) -> None:
+        """Put the parked gradients back (added to any gradient accumulated meanwhile)."""
+        for p, grad in self._pending:
+            p.grad = grad if p.grad is None else p.grad + grad
+        self._pending = []
+
+    def predict(self, inputs: Any, target: Tensor) -> Any:
+        """The last stage's outputs (on the CPU) on every process of the pipeline."""
+        result = self.runtime.step(inputs, target, train=False)
+        payload = [move_data_to_device(result.output, "cpu") if self.runtime.has_last_stage else None]
+        dist.broadcast_object_list(payload, src=self.runtime.last_global_rank, group=self.pipe.group)
+        return payload[0]
+
+    def evaluate(self, inputs: Any, target: Tensor) -> tuple[Tensor, StepResult]:
+        """Forward of every micro-batch; the loss on every process, and the last stage's outputs there."""
+        result = self.runtime.step(inputs, target, train=False)
+        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.device), result
+
+    def request_profile(self) -> None:
+        """Profile the coming step (several callers may ask; the step is measured once)."""
+        if not self.runtime.profiler.active:
+            self.runtime.profiler.start()
+            self._profiled = None
+
+    def profile_results(
+        self, optimizer: Optimizer | None, replicas: tuple[Any, int] | None
+    ) -> dict[int, dict[str, float]] | None:
+        """Every layer's costs of the step just profiled, from all stages (collective), or ``None``.
+
+        The first caller after the step stops the profiler and gathers; later callers get the same result.
+        """
+        if self.runtime.profiler.active:
+            local = self.runtime.profiler.stop()
+            self._profiled = reduce.gather_costs(local, self.slots, optimizer, self.pipe, replicas)
+        return self._profiled
+
+    def layers_changed(self, step: int, layers: Sequence[int] | None) -> None:
+        """Dynamics changed ``layers`` (``None``: any) while ``step`` steps were done: rebuild, and remember them."""
+        self.runtime.invalidate()
+        self._changed = {s: c for s, c in self._changed.items() if s >= step - 1}  # callbacks read the last two
+        self._changed.setdefault(step, set()).update(range(self.slots.n_layers) if layers is None else layers)
+
+    def changed_layers(self, step: int) -> list[int]:
+        """The layers reported changed while ``step`` steps were done."""
+        return sorted(self._changed.get(step, ()))
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def migrate(self, new: StagePlan, optimizers: Sequence[Optimizer]) -> MigrationStats:
+        """Move layers to partition ``new`` with all their state (collective over the pipeline)."""
+        stats = migrate(self.slots, optimizers, self.plan, new, pipe=self.pipe, device=self.device)
+        self.ties.follow(self.slots, new, self.pipe.rank, optimizers)
+        self.runtime.set_plan(new)
+        return stats
+
+    def pack(
+        self,
+        keep_ranks: list[int],
+        layers_per_stage: list[int],
+        copies: list[tuple[int, int]],
+        optimizers: Sequence[Optimizer],
+        global_rank: int,
+    ) -> MigrationStats:
+        """Move every layer onto pipeline ranks ``keep_ranks`` and copy them to new replicas (before a restart)."""
+        args = (self.slots, optimizers, self.plan, keep_ranks, layers_per_stage, copies)
+        stats = pack(*args, pipe=self.pipe, global_rank=global_rank, device=self.device)
+        self.runtime.invalidate()
+        return stats
+
+    def adopt(self, plan: StagePlan, pipe: PipelineGroup, optimizers: Sequence[Optimizer]) -> None:
+        """Run ``plan`` on ``pipe`` of a new world (layers already packed; the ties get new groups)."""
+        self.runtime.set_plan(plan, pipe)
+        self.ties.follow(self.slots, plan, pipe.rank, optimizers, new_world=True)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def param_names(self) -> dict[int, str]:
+        """``id(param) -> name`` in the unsplit model (a tied parameter's copies all get the tie's canonical name)."""
+        return {id(p): self.ties.canonical(name) for name, p in self.module.named_parameters()}
+
+    def param_norm(self) -> float:
+        """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once."""
+        plan, rank = self.plan, self.pipe.rank
+        named = list(self.module.named_parameters())
+        return reduce.param_norm(named, lambda n: self.ties.counted_here(n, plan, rank), self.pipe, self.device)
+
+    def tie_layers(self, param: Tensor) -> set[int]:
+        """Indices of all pipeline layers sharing ``param`` (a local parameter) in the unsplit model; empty if none."""
+        name = next((n for n, p in self.module.named_parameters() if p is param), None)
+        return self.ties.layers_of(name) if name is not None else set()

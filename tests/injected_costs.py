@@ -1,0 +1,41 @@
+"""Layer costs injected into the balancer's measurements, so that tests about its decisions never depend on timing.
+
+The real profiler still runs (the collectives and the cadence are the real ones); only the measured times are
+replaced by a cost proportional to what the layer computes: forward ``param_bytes`` and backward twice its
+``grad_bytes`` (zero for a frozen layer, smaller for a pruned one), at one microsecond per byte - large enough that
+any migration pays for itself, so a decision depends on the planned gain alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynmo_lightning.strategy import DynMoStrategy
+
+SECONDS_PER_BYTE = 1e-6
+
+
+def structural(measured: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """The measurements with times replaced by the structural cost of each layer."""
+    return {
+        i: {**m, "fwd": SECONDS_PER_BYTE * m["param_bytes"], "bwd": 2 * SECONDS_PER_BYTE * m["grad_bytes"]}
+        for i, m in measured.items()
+    }
+
+
+def inject() -> None:
+    """Make every ``DynMoStrategy`` of this process report structural costs (a test's worker calls this first)."""
+    measure = DynMoStrategy.profile_results
+
+    def profile_results(self: DynMoStrategy) -> Any:
+        measured = measure(self)
+        return None if measured is None else structural(measured)
+
+    DynMoStrategy.profile_results = profile_results  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":  # `python tests/injected_costs.py OVERRIDES...`: dynmo-train with injected costs
+    from dynmo_lightning.cli import train
+
+    inject()
+    train()

@@ -1,0 +1,119 @@
+"""The house rules of DESIGN.md, checked on the source: imports run one way, rooms stay small."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dynmo_lightning"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every package module and the package modules it imports (anywhere in the file, function bodies included)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parents = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parents, base]).strip(".")
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            found |= {t for t in targets if t in modules and t != name}
+        graph[name] = found
+    return graph
+
+
+def test_no_import_circle_in_the_package():
+    graph = _imports()
+    # Importing a package runs its __init__: an edge to a package module also reaches the package itself.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt) :], nxt]
+                # A package __init__ re-exporting its own submodules is not a circle of rooms.
+                if not all(m == cycle[0] or m.startswith(cycle[0] + ".") for m in cycle):
+                    pytest.fail(f"import circle: {' -> '.join(cycle)}")
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+
+
+@pytest.mark.parametrize(
+    ("room", "forbidden"),
+    [
+        # The planning core and the simulator are pure: no torch.distributed, no Lightning, no runtime.
+        ("dynmo_lightning.balance", ("torch", "lightning", "dynmo_lightning.pipeline", "dynmo_lightning.strategy")),
+        ("dynmo_lightning.sim", ("torch", "lightning", "dynmo_lightning.pipeline", "dynmo_lightning.strategy")),
+        # The model protocol is the lowest layer.
+        ("dynmo_lightning.protocol", ("dynmo_lightning.",)),
+        # Callbacks talk to the strategy through the PipelineControl protocol, never the class.
+        ("dynmo_lightning.callbacks", ("dynmo_lightning.strategy",)),
+        # Models know nothing of the pipeline.
+        ("dynmo_lightning.models", ("dynmo_lightning.pipeline", "dynmo_lightning.strategy", "dynmo_lightning.callbacks")),  # noqa: E501
+        # The runtime never reaches up to the strategy or the callbacks.
+        ("dynmo_lightning.pipeline", ("dynmo_lightning.strategy", "dynmo_lightning.callbacks")),
+    ],
+)
+def test_lower_rooms_never_import_higher_ones(room, forbidden):
+    for path in PACKAGE.rglob("*.py"):
+        name = _module_name(path)
+        if name != room and not name.startswith(room + "."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                targets = [node.module or ""]
+            else:
+                continue
+            for target in targets:
+                assert not any(_within(target, f) for f in forbidden), f"{name} imports {target}"
+
+
+def _within(module: str, room: str) -> bool:
+    """Whether ``module`` is ``room`` or inside it (a room ending with "." means anything below it)."""
+    if room.endswith("."):
+        return module.startswith(room)
+    return module == room or module.startswith(room + ".")
+
+
+def test_strategy_is_the_lightning_face_only():
+    lines = (PACKAGE / "strategy.py").read_text().count("\n")
+    assert lines <= 600, f"strategy.py has {lines} lines: hand a job to a room under pipeline/"
+
+
+def test_no_function_longer_than_80_lines():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                length = node.end_lineno - start + 1
+                if length > 80:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({length})")
+    assert not long, long
