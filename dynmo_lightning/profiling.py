@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dynmo_lightning.protocol import as_tuple
+from dynmo_lightning.protocol import as_tuple, call_layer
 
 
 class _Clock:
@@ -108,7 +108,7 @@ class LayerProfiler:
 
             start = self._clock.now()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                x = layer(*x) if isinstance(x, tuple) else layer(x)
+                x = call_layer(layer, x)
             self._fwd.append((index, start, self._clock.now()))
         self._mark(x, (call, first_index + len(layers)))
         return x

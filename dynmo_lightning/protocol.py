@@ -320,10 +320,26 @@ def as_tuple(x: Any) -> tuple[Any, ...]:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
+def call_layer(layer: nn.Module, x: Any) -> Any:
+    """Apply one layer; a tuple input is unpacked into positional arguments.
+
+    A frozen layer (``layer.pipeline_frozen``) whose inputs carry no gradient runs without autograd: nothing before
+    it trains, so nothing needs its backward - even when it uses a parameter tied to a layer that keeps training (a
+    token embedding tied to the head learns through the head alone once the embedding is frozen).
+    """
+    call = (lambda: layer(*x)) if isinstance(x, tuple) else (lambda: layer(x))
+    if getattr(layer, "pipeline_frozen", False) and not any(
+        isinstance(t, Tensor) and t.requires_grad for t in as_tuple(x)
+    ):
+        with torch.no_grad():
+            return call()
+    return call()
+
+
 def run_layers(layers: Sequence[nn.Module], x: Any) -> Any:
-    """Apply ``layers`` in order; a tuple output is unpacked into the next layer's positional arguments."""
+    """Apply ``layers`` in order (:func:`call_layer`); a tuple output becomes the next layer's arguments."""
     for layer in layers:
-        x = layer(*x) if isinstance(x, tuple) else layer(x)
+        x = call_layer(layer, x)
     return x
 
 

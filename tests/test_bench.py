@@ -1,7 +1,8 @@
-"""dynmo-bench end to end on a tiny grid: real A/B runs (consolidation included), traces, simulation, report."""
+"""dynmo-bench end to end on a tiny grid: layer costs, timelines, real A/B on two ranks, simulation, the report."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -19,26 +20,53 @@ def test_bench_tiny_grid(tmp_path):
         "-m",
         "dynmo_lightning.bench",
         "dynamics=[freezing]",
-        "policies=[uniform,optimal,optimal+repack]",
-        "real.repeats=1",
-        "real.steps=12",
-        "real.measure_from=6",
-        "real.every_n_steps=5",
-        "real.model={n_layer: 2, n_embd: 32, n_head: 4, block_size: 32}",
-        "real.data={block_size: 32, batch_size: 8}",
-        "trace.steps=16",
-        "trace.model={n_layer: 10, n_embd: 32, n_head: 2, block_size: 32}",
-        "trace.data={block_size: 32, batch_size: 8}",
-        "sim.stages=[4,8]",
+        "layer_costs.shape={hidden: 32, heads: 2, seq: 32, micro_batch: 1, vocab: 64, mlp_ratio: 4, n_experts: 4, "
+        "attn_block: 8}",
+        "layer_costs.long_seq=64",
+        "layer_costs.min_run_time=0.01",
+        "timeline.model={n_blocks: 6, n_embd: 16, n_head: 2, seq: 16, batch: 4, steps: 30, lr: 3.0e-3, seed: 0}",
+        "real.dynamics=[freezing]",
+        "real.repeats=2",
+        "real.steps=30",
+        "real.measure_from=26",
+        "real.model={n_layer: 4, n_embd: 32, n_head: 2, block_size: 16}",
+        "real.data={block_size: 16, batch_size: 8}",
+        "real.balancer={every_n_steps: 5, warmup_steps: 2, min_gain: 0.0}",
+        "scale.stages=[2,4]",
+        "scale.sweep_stages=4",
+        "scale.bandwidths=[1.0e9]",
         f"hydra.run.dir={tmp_path}",
     ]
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[dynmo-bench] 3/3 freezing-optimal+repack-0" in proc.stdout  # progress: case, how far, time left
-    results = json.loads((tmp_path / "results.json").read_text())
-    real = {r["policy"]: r for r in results["real"]}
-    assert real["uniform"]["ratio_to_uniform"] == 1.0 and real["optimal"]["ideal_ratio"] > 0
-    sim = [r for r in results["simulated"] if r["n_stages"] == 8]
-    assert {r["policy"] for r in sim} == {"uniform", "optimal", "optimal+repack"}
-    assert all(len(r["stage_loads"]) == len(r["steps"]) == 16 for r in sim)
-    assert "Summary" in (tmp_path / "benchmarks.md").read_text() and list((tmp_path / "plots").glob("*.png"))
+    # Progress: which case, how far, the time left.
+    assert "[dynmo-bench] real 4/4 freezing-optimal-1" in proc.stdout
+    assert "[dynmo-bench] timeline 5/5" in proc.stdout  # none + the four strengths of the freezing sweep
+
+    costs = json.loads((tmp_path / "layer_costs.json").read_text())
+    assert costs["block"]["frozen"]["bwd"] == 0.0 < costs["block"]["trainable"]["bwd"]
+    assert "sparse" in json.loads((tmp_path / "layer_costs_long.json").read_text())
+
+    real = json.loads((tmp_path / "real.json").read_text())
+    rows = {r["policy"]: r for r in real["rows"]}
+    assert rows["uniform"]["ratio"] == 1.0 and len(rows["optimal"]["ratios"]) == 2
+    assert rows["optimal"]["ratio_low"] <= rows["optimal"]["ratio"] <= rows["optimal"]["ratio_high"]
+    assert rows["optimal"]["ideal_ratio"] > 0 and real["link"]["p2p_bytes_per_s"] > 0
+
+    sim = json.loads((tmp_path / "simulated.json").read_text())
+    assert set(sim["dynamics"]) == {"none", "freezing"} and sim["network"]["migration_bandwidth"] > 0
+    freezing = sim["dynamics"]["freezing"]
+    assert set(freezing["by_stages"]) == {"2", "4"}
+    assert [p["strength"] for p in freezing["strength_sweep"]] == [40.0, 60.0, 80.0, 95.0]
+    for cmp in freezing["by_stages"].values():
+        assert cmp["policies"]["uniform"]["speedup"] == 1.0
+        # The oracle re-splits optimally at every step for free: no policy beats it.
+        assert all(p["speedup"] <= cmp["oracle"]["speedup"] * (1 + 1e-9) for p in cmp["policies"].values())
+    with gzip.open(tmp_path / "traces" / "freezing.jsonl.gz", "rt") as f:
+        trace = [json.loads(line) for line in f]
+    assert len(trace) == 30 and len(trace[0]["fwd"]) == 8  # embedding, six blocks, head
+
+    md = (tmp_path / "benchmarks.md").read_text()
+    for section in ("## DynMo at scale", "## Real A/B on this machine", "## Layer costs at LLM size"):
+        assert section in md
+    assert "(plots/speedup.png)" in md and (tmp_path / "plots" / "real.png").is_file()

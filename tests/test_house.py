@@ -74,7 +74,10 @@ def test_no_import_circle_in_the_package():
         # Callbacks talk to the strategy through the PipelineControl protocol, never the class.
         ("dynmo_lightning.callbacks", ("dynmo_lightning.strategy",)),
         # Models know nothing of the pipeline.
-        ("dynmo_lightning.models", ("dynmo_lightning.pipeline", "dynmo_lightning.strategy", "dynmo_lightning.callbacks")),  # noqa: E501
+        (
+            "dynmo_lightning.models",
+            ("dynmo_lightning.pipeline", "dynmo_lightning.strategy", "dynmo_lightning.callbacks"),
+        ),
         # The runtime never reaches up to the strategy or the callbacks.
         ("dynmo_lightning.pipeline", ("dynmo_lightning.strategy", "dynmo_lightning.callbacks")),
     ],

@@ -6,18 +6,19 @@ import json
 from pathlib import Path
 
 import pytest
+from bench_data import write_bench_dir
 
-from dynmo_lightning import report
-from dynmo_lightning.report import main, markdown_table, plot_bench, plot_run
+from dynmo_lightning import plots
+from dynmo_lightning.bench.report import report_bench
+from dynmo_lightning.report import main, plot_run
 
-SEED = {"moe": 1.23, "pruning": 3.18, "freezing": 2.23, "sparse_attention": 4.02, "early_exit": 4.52, "mod": 1.17}
 RUN_PLOTS = {"loss.png", "stage_load.png", "partitions.png", "world_size.png"}
 
 
 @pytest.fixture(autouse=True)
 def _low_dpi(monkeypatch):
     # The tests check which files appear, not how they look: small images keep them fast.
-    monkeypatch.setattr(report, "DPI", 40)
+    monkeypatch.setattr(plots, "DPI", 40)
 
 
 def _summary(steps: int = 12) -> dict:
@@ -75,55 +76,6 @@ def _write_run(path: Path, *, optional: bool) -> Path:
     return path
 
 
-def _sim_entry(dynamic: str, p: int, policy: str, speedup: float) -> dict:
-    steps = [0, 5, 10]
-    shrink = policy == "optimal+repack"
-    balanced = policy != "uniform"
-    loads = [[1.0] * p, [0.9] * p if balanced else [0.2] + [1.0] * (p - 1), [1.0] * (p // 2 if shrink else p)]
-    return {
-        "dynamic": dynamic,
-        "n_stages": p,
-        "policy": policy,
-        "total_time": 10.0 / speedup,
-        "speedup_over_uniform": speedup,
-        "speedup_over_params": speedup / 1.1,
-        "rank_seconds": 40.0 / speedup,
-        "rank_seconds_saved": 0.375 if shrink else None,
-        "imbalance": [1.0, 1.0 if balanced else 1.3, 1.05],
-        "steps": steps,
-        "stage_loads": loads,
-        "partitions": [
-            {"step": 0, "layers_per_stage": [2] * p},
-            {"step": 5, "layers_per_stage": [3] + [2] * (p - 2) + [1]},
-        ],
-        "world_sizes": [{"step": 0, "world_size": p}] + ([{"step": 10, "world_size": p // 2}] if shrink else []),
-    }
-
-
-@pytest.fixture(scope="module")
-def results() -> dict:
-    dynamics = ["freezing", "early_exit"]
-    policies = {"uniform": 1.0, "params": 1.1, "optimal": 1.8, "diffusion": 1.7, "optimal+repack": 1.6}
-    return {
-        "config": {"steps": 10, "n_layers": 8},
-        "machine": {"cpu": "test-cpu", "torch": "2.13.0", "lightning": "2.6.6"},
-        "seed": SEED,
-        "real": [
-            {
-                "dynamic": d,
-                "policy": policy,
-                "tokens_per_s": [1000.0 * r, 1010.0 * r],
-                "mean_tokens_per_s": 1005.0 * r,
-                "ratio_to_uniform": r,
-                "ideal_ratio": None if policy == "uniform" else 1.9,
-            }
-            for d in dynamics
-            for policy, r in (("uniform", 1.0), ("optimal", 1.42))
-        ],
-        "simulated": [_sim_entry(d, p, policy, s) for d in dynamics for p in (2, 4) for policy, s in policies.items()],
-    }
-
-
 def _names(paths: list[Path]) -> set[str]:
     assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
     return {p.name for p in paths}
@@ -155,38 +107,39 @@ def test_plot_run_needs_summary(tmp_path):
         plot_run(tmp_path)
 
 
-def test_plot_bench(tmp_path, results):
-    names = _names(plot_bench(results, tmp_path))
-    assert names == {
-        "speedup.png",
-        "world_size_P4.png",
-        *(
-            f"{kind}_{d}_P4.png"
-            for kind in ("stage_load", "partitions", "imbalance")
-            for d in ("freezing", "early_exit")
-        ),
-    }
+def test_report_bench(tmp_path):
+    d = write_bench_dir(tmp_path / "bench")
+    names = _names(report_bench(d))
+    assert names == {"speedup.png", "sweeps.png", "real.png", "stage_loads_none_P4.png", "stage_loads_freezing_P4.png"}
+    md = (d / "benchmarks.md").read_text()
+    sections = ("## DynMo at scale", "### Strength sweeps", "### Migration bandwidth", "### Consolidation",
+                "## Real A/B on this machine", "## Layer costs at LLM size", "## Plots")  # fmt: skip
+    assert all(section in md for section in sections)
+    assert "test-cpu" in md and "![speedup](plots/speedup.png)" in md
+    # The headline is DynMo's own policy, in bold, beside the oracle and the seed's figure.
+    sim = json.loads((d / "simulated.json").read_text())
+    cmp = sim["dynamics"]["freezing"]["by_stages"]["4"]
+    optimal = cmp["policies"]["optimal"]
+    row = next(line for line in md.splitlines() if line.startswith("| freezing (0.5) | 4 |"))
+    assert f"**{optimal['speedup']:.2f}\u00d7** ({100 * optimal['share_of_oracle']:.0f} %)" in row
+    assert f"| {cmp['oracle']['speedup']:.2f}\u00d7 |" in row and row.endswith("| 2.23\u00d7 |")
+    # Real A/B: the paired ratio with its 95 % interval, the ideal ratio and the reaction lag of 2 steps.
+    real = next(r for r in json.loads((d / "real.json").read_text())["rows"] if r["policy"] == "optimal")
+    row = next(line for line in md.splitlines() if line.startswith("| freezing | 105 | 122 |"))
+    assert f"**{real['ratio']:.2f}\u00d7** [{real['ratio_low']:.3f}, {real['ratio_high']:.3f}]" in row
+    assert "2 steps (0.4 profile intervals)" in row
+    # The sweep names where the seed's figure is (or is not) reached.
+    assert "**freezing** (AutoFreeze (growing frozen prefix)): the oracle " in md
 
 
-def test_plot_bench_partial_results(tmp_path):
-    # Only the seed figures: the bar chart still draws, nothing per dynamic is attempted.
-    partial = {"seed": SEED, "real": [], "simulated": []}
-    assert _names(plot_bench(partial, tmp_path)) == {"speedup.png"}
-    assert plot_bench({}, tmp_path / "empty") == []
-
-
-def test_markdown_table(results):
-    md = markdown_table(results)
-    for section in ("## Real runs", "## Simulated runs", "## Summary against the seed"):
-        assert section in md
-    for word in ("freezing", "early_exit", "uniform", "params", "optimal", "diffusion", "optimal+repack", "test-cpu"):
-        assert word in md
-    # Seed figures, best simulated speed-up with its policy and P, ratios with two decimals, saved share in percent.
-    assert "| freezing | 1.42\u00d7 (optimal) | 1.80\u00d7 (optimal, P=2) | 2.23\u00d7 | 0.81 |" in md
-    for figure in ("1.23\u00d7", "3.18\u00d7", "4.02\u00d7", "4.52\u00d7", "1.17\u00d7"):
-        assert figure in md
-    assert "| early_exit | 4 | optimal+repack | 1.60\u00d7 | 1.45\u00d7 | 37.5% |" in md
-    assert "1,005 ± 7 (n=2)" in md
+def test_report_bench_partial(tmp_path):
+    # Only the layer costs: the report has their table and no plots; nothing else is attempted.
+    d = write_bench_dir(tmp_path / "bench")
+    (d / "real.json").unlink()
+    (d / "simulated.json").unlink()
+    assert report_bench(d) == []
+    md = (d / "benchmarks.md").read_text()
+    assert "## Layer costs at LLM size" in md and "## Real A/B" not in md
 
 
 def test_main_run_dir(tmp_path, capsys):
@@ -198,20 +151,16 @@ def test_main_run_dir(tmp_path, capsys):
     assert (tmp_path / "elsewhere" / "loss.png").is_file()
 
 
-def test_main_bench_dir(tmp_path, capsys, results):
-    (tmp_path / "results.json").write_text(json.dumps(results))
-    main([str(tmp_path), "--stages", "2"])
+def test_main_bench_dir(tmp_path, capsys):
+    d = write_bench_dir(tmp_path)
+    main([str(d)])
     printed = [Path(p) for p in capsys.readouterr().out.split()]
-    md = tmp_path / "benchmarks.md"
-    assert md in printed and (tmp_path / "plots" / "speedup.png") in printed
-    text = md.read_text()
-    assert "## Simulated runs" in text
-    assert "![speedup](plots/speedup.png)" in text
-    assert "(plots/stage_load_freezing_P2.png)" in text
+    assert d / "benchmarks.md" in printed and d / "plots" / "speedup.png" in printed
+    assert "## DynMo at scale" in (d / "benchmarks.md").read_text()
 
 
 def test_main_rejects_other_dirs(tmp_path):
-    with pytest.raises(SystemExit, match=r"neither summary\.json .* nor results\.json"):
+    with pytest.raises(SystemExit, match=r"neither summary\.json .* nor the results of dynmo-bench"):
         main([str(tmp_path)])
     with pytest.raises(SystemExit, match="neither"):
         main([str(tmp_path / "missing")])

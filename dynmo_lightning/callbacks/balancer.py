@@ -99,7 +99,8 @@ class DynMoBalancer(Callback):
         self.history: list[dict[str, Any]] = []
         self._restored: dict[str, Any] | None = None
         self._profiling = False
-        self._last_measured: dict[int, dict[str, float]] | None = None
+        #: Every layer's costs of the last step this balancer profiled (all layers, gathered from all stages).
+        self.last_measured: dict[int, dict[str, float]] | None = None
         self._bound: PipelineControl | None = None
 
     @property
@@ -171,7 +172,7 @@ class DynMoBalancer(Callback):
             measured = strategy.profile_results()
             if measured is not None:
                 self.policy.observe(measured)
-                self._last_measured = measured
+                self.last_measured = measured
             self._profiling = False
         if self.policy.due(trainer.global_step):  # optimizer steps done, this one included
             self._check(trainer, pl_module, strategy)
@@ -206,11 +207,11 @@ class DynMoBalancer(Callback):
         decision: Decision,
         plan_s: float,
     ) -> None:
-        migrate_s = 0.0
+        migrate_s, moved = 0.0, 0
         if decision.action == MIGRATE:
             stats = strategy.repartition(decision.proposed)
-            migrate_s = stats.seconds
-            self.policy.record_migration(stats.bytes_sent + stats.bytes_received, stats.seconds)
+            migrate_s, moved = stats.seconds, stats.bytes_sent + stats.bytes_received
+            self.policy.record_migration(moved, stats.seconds)
         record = {
             "step": trainer.global_step,
             "current": decision.current,
@@ -219,6 +220,7 @@ class DynMoBalancer(Callback):
             "predicted_saving_s": decision.saving_s,
             "plan_s": plan_s,
             "migrate_s": migrate_s,
+            "bytes_moved": moved,
             **decision.info,
         }
         self.history.append(record)
@@ -261,8 +263,8 @@ class DynMoBalancer(Callback):
             "balancer/migrate_ms": 1e3 * record["migrate_s"],
             "balancer/imbalance_predicted": balance.imbalance(predicted),
         }
-        if self._last_measured is not None:
-            last = self._last_measured
+        if self.last_measured is not None:
+            last = self.last_measured
             measured_costs = [last[i]["fwd"] + last[i]["bwd"] for i in range(strategy.n_layers)]
             measured = balance.stage_loads(measured_costs, record["current"])
             metrics["balancer/imbalance_measured"] = balance.imbalance(measured)

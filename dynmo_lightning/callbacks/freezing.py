@@ -9,11 +9,14 @@ The head (last layer) is never frozen; ``max_frozen_fraction`` caps the prefix.
 
 Why the saving is real: a frozen layer's parameters get ``requires_grad=False`` and leave the optimizer (their state
 is dropped) — except a parameter tied to a layer that keeps training (a token embedding tied to the head), which
-keeps learning through that layer. Because everything in front of a frozen layer is frozen too, nothing that enters
-the prefix requires grad, so autograd records nothing there: no activations are kept and there is no backward at all;
-a pipeline stage made only of frozen layers runs forward only (its output carries no gradient, and the strategy
+keeps learning through that layer. The frozen prefix runs without autograd (:func:`~dynmo_lightning.protocol.
+call_layer`: nothing before a frozen layer trains), so no activations are kept and there is no backward at all, also
+with tied embeddings (the tied weight then learns through the head alone, as freezing the embedding means); a
+pipeline stage made only of frozen layers runs forward only (its output carries no gradient, and the strategy
 rebuilds the stages when the prefix grows). The frozen flag lives on the layer (``layer.pipeline_frozen``), so it
-moves with the layer.
+moves with the layer. A model with its own ``forward`` runs the frozen prefix without autograd only if it calls the
+layers through :func:`~dynmo_lightning.protocol.run_layers` (``PipelineModule`` does); under ``DynMoStrategy`` the
+pipeline always does.
 """
 
 from __future__ import annotations

@@ -156,8 +156,10 @@ def routed_forward(
     index = top[..., None].expand(-1, -1, C)
     x = h.gather(1, index)
     y, aux = dense(x)
-    s = torch.sigmoid(logits.gather(1, top))
-    out = x + (y - x) * (s / s.detach())[..., None]
+    # sigmoid(r) / stopgrad(sigmoid(r)) in log space: sigmoid underflows to 0 for r below about -100 (logits of the
+    # deep residual stream get there), and 0 / 0 would turn the step's loss into NaN.
+    log_s = F.logsigmoid(logits.gather(1, top))
+    out = x + (y - x) * torch.exp(log_s - log_s.detach())[..., None]
     target = torch.zeros_like(logits).scatter(1, top, 1.0)
     bce = F.binary_cross_entropy_with_logits(router.predictor(h.detach()).squeeze(-1), target)
     if not is_probing():

@@ -7,9 +7,11 @@ micro-batch, one entry per layer.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -69,8 +71,15 @@ def check_trace(trace: Iterable[Mapping[str, Any]]) -> Trace:
     return steps
 
 
+def _open(path: str | os.PathLike[str], mode: str) -> Any:
+    """The file, through gzip when its name ends with ``.gz`` (committed traces are compressed)."""
+    if os.fspath(path).endswith(".gz"):
+        return gzip.open(path, mode + "t", encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
+
+
 def load_trace(path: str | os.PathLike[str]) -> Trace:
-    """Read a ``costs.jsonl`` trace (blank lines are skipped).
+    """Read a ``costs.jsonl`` trace, or a gzip-compressed ``.jsonl.gz`` one (blank lines are skipped).
 
     Args:
         path: the file.
@@ -82,7 +91,7 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
         ValueError: for a line that is not a JSON object, or as :func:`check_trace`.
     """
     steps = []
-    with open(path, encoding="utf-8") as handle:
+    with _open(path, "r") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -94,13 +103,14 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
 
 
 def save_trace(trace: Iterable[Mapping[str, Any]], path: str | os.PathLike[str]) -> None:
-    """Write a trace as ``costs.jsonl``, one step per line.
+    """Write a trace as ``costs.jsonl``, one step per line (gzip-compressed when ``path`` ends with ``.gz``).
 
     Args:
         trace: the steps (validated first, see :func:`check_trace`).
-        path: the file to (over)write.
+        path: the file to (over)write; its directory is created if missing.
     """
     steps = check_trace(trace)
-    with open(path, "w", encoding="utf-8") as handle:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with _open(path, "w") as handle:
         for entry in steps:
             handle.write(json.dumps(entry) + "\n")

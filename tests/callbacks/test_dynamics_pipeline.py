@@ -87,7 +87,9 @@ def test_default_configs_act_within_200_steps_and_the_balancer_sees_it(runs, nam
     run = runs[name]
     callbacks = run.checkpoint["callbacks"]
     balancer = callbacks["DynMoBalancer"]
-    assert len(balancer["history"]) == 8  # planned at steps 25, 50, ..., 200 from measured costs
+    # planned every 25 steps from measured costs, and again soon after each freeze/prune event (the balancer reacts
+    # to the dynamics' events as soon as it has fresh profiles, rather than waiting for the next period)
+    assert _planned_every_25_steps(balancer)
     costs = [
         f + b for f, b in zip(balancer["tracker"]["values"]["fwd"], balancer["tracker"]["values"]["bwd"], strict=True)
     ]
@@ -101,6 +103,11 @@ def test_default_configs_act_within_200_steps_and_the_balancer_sees_it(runs, nam
         assert sum(widths) == 4 * 4 * 32 // 2
     assert run.summary["losses"][-1] < run.summary["losses"][0] - 1.0
     assert torch.isfinite(torch.tensor(run.summary["losses"])).all()
+
+
+def _planned_every_25_steps(balancer: dict) -> bool:
+    steps = [h["step"] for h in balancer["history"]]
+    return steps == sorted(steps) and set(range(25, 201, 25)) <= set(steps)
 
 
 def _last_logged(run, key: str) -> float:
@@ -117,7 +124,7 @@ def test_early_exit_and_mod_defaults_act_within_200_steps(runs):
     assert _last_logged(mod_run, "dynamics/capacity") == pytest.approx(0.125)
     assert _last_logged(mod_run, "dynamics/routed_frac_block2") == pytest.approx(0.125, abs=0.02)
     for run in (exit_run, mod_run):
-        assert len(run.checkpoint["callbacks"]["DynMoBalancer"]["history"]) == 8
+        assert _planned_every_25_steps(run.checkpoint["callbacks"]["DynMoBalancer"])
         assert run.summary["losses"][-1] < run.summary["losses"][0] - 1.0
 
 
@@ -137,5 +144,5 @@ def test_moe_and_sparse_attention_defaults_act_within_200_steps(runs):
     densities = [float(v) for k, v in sparse.checkpoint["state_dict"].items() if k.endswith("attn.density")]
     assert densities and min(densities) < 1.0  # densities adapted away from dense
     for run in (moe, sparse):
-        assert len(run.checkpoint["callbacks"]["DynMoBalancer"]["history"]) == 8
+        assert _planned_every_25_steps(run.checkpoint["callbacks"]["DynMoBalancer"])
         assert run.summary["val_loss"] < run.summary["losses"][0] - 1.0

@@ -69,14 +69,22 @@ def test_frozen_prefix_leaves_optimizer_and_costs_only_its_forward(tmp_path):
         assert profile.costs[i]["bwd"] > 0 and profile.costs[i]["activation_bytes"] > 0
 
 
-def test_a_frozen_embedding_tied_to_the_head_keeps_learning():
+def test_a_frozen_embedding_tied_to_the_head_keeps_learning_through_the_head_alone():
     model = GPT(n_layer=2, n_embd=32, n_head=4, block_size=32)  # tied embeddings
     freezing = LayerFreezing(mode="schedule", schedule={0: 1, 1: 1}, start_step=0)
-    trainer = _trainer(4, [freezing], enable_checkpointing=False)
+    profile = ProfileLast(3)
+    trainer = _trainer(4, [freezing, profile], enable_checkpointing=False)
+    before = model.head.lm_head.weight.detach().clone() if model.blocks is not None else None
     trainer.fit(model, datamodule=_data())
     embed = model.pipeline_layers()[0]
     assert embed.pipeline_frozen and not embed.wpe.weight.requires_grad
     assert embed.wte.weight.requires_grad and embed.wte.weight is model.head.lm_head.weight
+    assert before is None or not torch.equal(before, model.head.lm_head.weight)
+    # The frozen prefix runs without autograd although its embedding weight trains (through the head): no backward
+    # and no saved activations there, as with untied embeddings.
+    for i in (0, 1):
+        assert profile.costs[i]["bwd"] == 0.0 and profile.costs[i]["activation_bytes"] == 0
+    assert profile.costs[2]["bwd"] > 0
 
 
 def test_auto_freezing_state_survives_checkpoint(tmp_path):

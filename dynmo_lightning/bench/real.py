@@ -1,0 +1,278 @@
+"""Real A/B runs on this machine's ranks: the same training under the uniform split and under DynMo, alternated.
+
+Every case trains the reference GPT from the same seed with one dynamic (:data:`REAL_PRESETS`, the presets of
+:mod:`~dynmo_lightning.bench.timeline` compressed into a short run) under one policy. The cases of all repeats run
+back to back in one set of processes, policies alternating (A B A B ...), so that drift of the machine falls on both.
+Measured per case: tokens per second over the window ``[measure_from, steps)``, the per-layer costs the balancer
+profiled in that window (from which the 1F1B cost model, with the measured point-to-point time, predicts the ideal
+ratio of the optimal split over the uniform one), when the dynamic changed layers and when the balancer moved them
+(the reaction lag), and the validation loss. The math of both policies is the same, so are their losses.
+
+:func:`worker` is one rank (``python -m dynmo_lightning.bench worker SPEC``); :func:`summarize` turns the cases into
+ratios with 95 % intervals.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+
+from dynmo_lightning import DynMoBalancer, DynMoStrategy
+from dynmo_lightning.balance import partition, stage_times, step_time
+from dynmo_lightning.callbacks import GradualPruning, LayerFreezing, TokenEarlyExit
+from dynmo_lightning.data import StdlibCharDataModule
+from dynmo_lightning.models import GPT
+
+
+def real_preset(dynamic: str, n_layers: int) -> L.Callback | None:
+    """The dynamic of a real A/B case: the techniques of the timeline presets, acting within the first 60 steps."""
+    if dynamic == "none":
+        return None
+    if dynamic == "freezing":  # AutoFreeze freezes a growing prefix window by window: 7 of 12 layers in two windows
+        frozen = (7 * n_layers) // 12
+        schedule = {i: 10 if i < frozen // 2 else 25 for i in range(frozen)}
+        return LayerFreezing(mode="schedule", schedule=schedule, start_step=0)
+    if dynamic == "pruning":  # cubic schedule to 80 % of neurons and heads ranked across layers, after training a bit
+        return GradualPruning(final_sparsity=0.8, start_step=40, end_step=60, every_n_steps=4)
+    if dynamic == "early_exit":  # saturation exits after a quarter of the blocks, threshold ramped in 10 steps
+        return TokenEarlyExit(threshold=0.9, warmup_steps=5, ramp_steps=10, min_layers=max(1, (n_layers - 2) // 4))
+    raise ValueError(f"no real A/B preset for dynamic {dynamic!r}: use freezing, pruning, early_exit or none")
+
+
+class Window(L.Callback):
+    """Wall time and tokens of the steps from ``start``, and the steps before which a dynamic changed layers."""
+
+    def __init__(self, start: int) -> None:
+        self.start, self.t0, self.steps, self.seconds = start, 0.0, 0, 0.0
+        self.events: list[int] = []
+        self.step_seconds: list[float] = []  # every step's wall time, from the first (hook to hook)
+        self._begin = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        """Start the clock at ``start``; note a dynamics event reported before this step."""
+        step = trainer.global_step
+        self._begin = time.perf_counter()
+        if step == self.start:
+            self.t0 = self._begin
+        if trainer.strategy.changed_layers(step):
+            self.events.append(step)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, b: Any, i: int) -> None:
+        """Time so far (the last step's values stand)."""
+        now = time.perf_counter()
+        self.step_seconds.append(now - self._begin)
+        if trainer.global_step > self.start:
+            self.seconds = now - self.t0
+            self.steps = trainer.global_step - self.start
+
+
+class WindowCosts(L.Callback):
+    """The per-layer costs the balancer profiled inside the window (for the ideal ratio of the same window)."""
+
+    def __init__(self, balancer: DynMoBalancer, start: int) -> None:
+        self.balancer, self.start = balancer, start
+        self.samples: list[dict[int, dict[str, float]]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, b: Any, i: int) -> None:
+        """Keep the step's measurement if the balancer profiled it and it lies in the window."""
+        measured = self.balancer.last_measured
+        fresh = measured is not None and (not self.samples or measured is not self.samples[-1])
+        if trainer.global_step - 1 >= self.start and fresh:
+            self.samples.append(measured)
+
+    def mean(self) -> dict[str, Any] | None:
+        """Per-layer forward and backward seconds averaged over the window's profiles."""
+        if not self.samples:
+            return None
+        n = len(self.samples[0])
+        fwd = [statistics.fmean(c[i]["fwd"] for c in self.samples) for i in range(n)]
+        bwd = [statistics.fmean(c[i]["bwd"] for c in self.samples) for i in range(n)]
+        return {"fwd": fwd, "bwd": bwd, "samples": len(self.samples)}
+
+
+def ideal_ratio(costs: dict[str, Any], n_stages: int, n_microbatches: int, p2p: float) -> float:
+    """Step time of the uniform split over the optimal split's, by the 1F1B cost model, from measured costs."""
+    fwd, bwd = costs["fwd"], costs["bwd"]
+    both = [f + b for f, b in zip(fwd, bwd, strict=True)]
+
+    def predicted(split: list[int]) -> float:
+        return step_time(*stage_times(fwd, bwd, split), n_microbatches, "1f1b", p2p)
+
+    uniform = partition(both, n_stages, method="uniform")
+    return predicted(uniform) / predicted(partition(both, n_stages, method="optimal"))
+
+
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Train one case in this process (one rank of the job); returns what this rank measured."""
+    L.seed_everything(0)
+    model_kw, data_kw, steps = case["model"], case["data"], case["steps"]
+    n_layers = model_kw["n_layer"] + 2
+    window = Window(case["measure_from"])
+    callbacks: list[L.Callback] = [window]
+    dynamic = real_preset(case["dynamic"], n_layers)
+    if dynamic is not None:
+        callbacks.append(dynamic)
+    balancer = costs = None
+    if case["policy"] != "uniform":
+        balancer = DynMoBalancer(method=case["policy"], **case["balancer"])
+        costs = WindowCosts(balancer, case["measure_from"])
+        callbacks += [balancer, costs]
+    trainer = L.Trainer(
+        accelerator=case["accelerator"],
+        devices=case["world_size"],
+        max_steps=steps,
+        strategy=DynMoStrategy(n_microbatches=case["microbatches"]),
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=steps,
+        limit_val_batches=8,
+        num_sanity_val_steps=0,
+    )
+    data = StdlibCharDataModule(max_bytes=2_000_000, max_val_batches=8, **data_kw)
+    trainer.fit(GPT(**model_kw), datamodule=data)
+    result = {
+        "tokens_per_s": window.steps * data.tokens_per_batch / window.seconds if window.seconds else None,
+        "window_steps": window.steps,
+        "step_seconds": [round(t, 5) for t in window.step_seconds],
+        "partitions": trainer.strategy.partitions,
+        "events": window.events,
+        "moves": [p["step"] for p in trainer.strategy.partitions[1:]],
+        "val_loss": float(trainer.callback_metrics.get("val_loss", math.nan)),
+    }
+    if balancer is not None and costs is not None:
+        result["profile_every_n_steps"] = balancer.policy.profile_every_n_steps
+        result["window_costs"] = costs.mean()
+        moves = [h for h in balancer.history if h.get("migrated") and h["migrate_s"] > 0]
+        if moves:  # this process's bytes over its migration time
+            result["migration_bytes_per_s"] = sum(h["bytes_moved"] for h in moves) / sum(h["migrate_s"] for h in moves)
+    return result
+
+
+def measure_p2p(size_bytes: int, repeats: int = 20) -> dict[str, float]:
+    """Latency and bandwidth of one point-to-point transfer between ranks 0 and 1 (collective over the job)."""
+    rank = dist.get_rank()
+    results = {}
+    for name, n in (("latency", 1), ("bandwidth", size_bytes // 4)):
+        t = torch.zeros(n)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            elif rank == 1:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+        one_way = (time.perf_counter() - t0) / (2 * repeats)
+        results[name] = one_way if name == "latency" else n * 4 / one_way
+    return {"p2p_latency_s": results["latency"], "p2p_bytes_per_s": results["bandwidth"], "p2p_bytes": size_bytes}
+
+
+def worker(spec_path: str) -> None:
+    """Run the cases of ``spec_path`` in this rank; rank 0 writes each case's result file.
+
+    After the first case, the ranks measure their link (``spec["link"]``: the activation bytes of one transfer).
+    """
+    spec = json.loads(Path(spec_path).read_text())
+    for index, (case, port) in enumerate(zip(spec["cases"], spec["ports"], strict=True)):
+        os.environ["MASTER_PORT"] = str(port)  # every case starts a fresh world (the launcher hosts its store)
+        try:
+            result = run_case(case)
+            if dist.get_rank() == 0:
+                Path(case["result"]).write_text(json.dumps(result))
+            if index == 0 and spec.get("link"):
+                link = measure_p2p(spec["link"]["bytes"])
+                if dist.get_rank() == 0:
+                    Path(spec["link"]["result"]).write_text(json.dumps(link))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def interval95(values: list[float]) -> tuple[float, float, float]:
+    """Mean and 95 % confidence interval (Student's t) of ``values``."""
+    n, mean = len(values), statistics.fmean(values)
+    if n < 2:
+        return mean, math.nan, math.nan
+    half = _T95[min(n - 1, len(_T95)) - 1] * statistics.stdev(values) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+#: Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom (beyond: the normal's 1.96 is close).
+_T95 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+    2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def summarize(
+    cases: list[dict[str, Any]], results: dict[str, dict[str, Any]], link: dict[str, float]
+) -> list[dict[str, Any]]:
+    """Per dynamic and policy: tokens/s, and the ratio to uniform paired repeat by repeat, with 95 % intervals.
+
+    A repeat's ratio divides the policy's tokens/s by the uniform run next to it (they ran one after the other). The
+    ideal ratio of a repeat comes from the per-layer costs its balancer measured in the window and the measured
+    point-to-point time of one activation (``link``, from :func:`measure_p2p`).
+    """
+    p2p = link["p2p_latency_s"] + link["p2p_bytes"] / link["p2p_bytes_per_s"]
+    rows = []
+    by_key: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for case in cases:
+        by_key.setdefault((case["dynamic"], case["policy"]), {})[case["repeat"]] = results[case["name"]]
+    for (dynamic, policy), runs in sorted(by_key.items()):
+        uniform = by_key[(dynamic, "uniform")]
+        ratios = [runs[r]["tokens_per_s"] / uniform[r]["tokens_per_s"] for r in sorted(runs) if r in uniform]
+        mean, low, high = interval95(ratios)
+        shape = next(c for c in cases if c["dynamic"] == dynamic and c["policy"] == policy)
+        ideals = [
+            ideal_ratio(run["window_costs"], shape["world_size"], shape["microbatches"], p2p)
+            for run in runs.values()
+            if run.get("window_costs")
+        ]
+        ideal = statistics.fmean(ideals) if ideals else None
+        lag = _lag(list(runs.values()))
+        rows.append(
+            {
+                "dynamic": dynamic,
+                "policy": policy,
+                "tokens_per_s": [runs[r]["tokens_per_s"] for r in sorted(runs)],
+                "ratio": mean,
+                "ratio_low": low,
+                "ratio_high": high,
+                "ratios": ratios,
+                "ideal_ratio": ideal,
+                "share_of_ideal": mean / ideal if ideal else None,
+                "val_loss": statistics.fmean(run["val_loss"] for run in runs.values()),
+                "reaction_lag_steps": lag,
+                "partitions": next(iter(runs.values()))["partitions"],
+            }
+        )
+    return rows
+
+
+def _lag(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Steps from each dynamics event (or burst of events) to the balancer's next move, over all repeats."""
+    lags, interval = [], None
+    for run in runs:
+        interval = run.get("profile_every_n_steps", interval)
+        events, moves = run["events"], run["moves"]
+        bursts = [e for k, e in enumerate(events) if k + 1 == len(events) or events[k + 1] - e > 1]
+        for event in bursts:
+            later = [m for m in moves if m >= event]
+            if later:
+                lags.append(later[0] - event)
+    if not lags or interval is None:
+        return None
+    return {"max_steps": max(lags), "profile_interval": interval, "max_intervals": max(lags) / interval}

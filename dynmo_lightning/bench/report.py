@@ -1,0 +1,374 @@
+"""The benchmark report: ``benchmarks.md`` and its plots, rebuilt from a ``dynmo-bench`` directory's files alone.
+
+Reads ``layer_costs.json`` (and ``layer_costs_long.json``), ``real.json``, ``simulated.json`` and the traces; runs
+nothing. :func:`report_bench` is what ``dynmo-bench`` ends with and what ``dynmo-report DIR`` calls for a benchmark
+directory. Every number the tables show is in those files; the headline is DynMo's own policy (``optimal``), beside
+the oracle, the static splits and the seed's figure, with the validation loss the dynamic trained to.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dynmo_lightning import balance
+from dynmo_lightning.bench.layer_costs import block_gflops
+from dynmo_lightning.bench.scale import SEED
+from dynmo_lightning.plots import TIMES, figure, plot_stage_lines, save
+
+#: Display names.
+NAMES = {
+    "none": "no dynamic",
+    "freezing": "freezing",
+    "pruning": "pruning",
+    "early_exit": "early exit",
+    "mod": "Mixture of Depths",
+    "moe": "MoE",
+    "sparse_attention": "sparse attention",
+}
+
+
+def _read(path: Path) -> Any:
+    """A JSON file, a gzip-compressed one, or a compressed JSON-lines trace (``None`` if it is not there)."""
+    if not path.is_file():
+        return None
+    if path.suffix != ".gz":
+        return json.loads(path.read_text())
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    if ".jsonl" in path.name:
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return json.loads(text)
+
+
+def _x(value: float | None) -> str:
+    return "—" if value is None or not math.isfinite(value) else f"{value:.2f}{TIMES}"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None or not math.isfinite(value) else f"{100 * value:.0f} %"
+
+
+# --------------------------------------------------------------------------------------------------- tables
+def headline_table(sim: Mapping[str, Any]) -> list[str]:
+    """Per dynamic and number of stages: the oracle, DynMo, the static splits, the loss, the seed."""
+    lines = [
+        "| dynamic (preset strength) | P | `uniform` s/step | oracle | **DynMo `optimal`** (share of oracle) "
+        "| DynMo over `static_time` | `diffusion` | `static_time` | `params` | val loss (no dynamic) | seed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for dynamic, entry in sim["dynamics"].items():
+        strength = f" ({entry['strength']})" if entry.get("strength") is not None else ""
+        for p, cmp in entry["by_stages"].items():
+            pol, loss = cmp["policies"], f"{entry['val_loss']:.3f} ({entry['val_loss_none']:.3f})"
+            uniform = f"{pol['uniform']['total_time'] / cmp['n_steps']:.1f}" if cmp.get("n_steps") else "—"
+            opt = f"**{_x(pol['optimal']['speedup'])}** ({_pct(pol['optimal']['share_of_oracle'])})"
+            # what re-balancing during training adds to a split balanced once on the first measured costs
+            rebalance = (
+                _x(pol["static_time"]["total_time"] / pol["optimal"]["total_time"]) if "static_time" in pol else "—"
+            )
+            others = " | ".join(_x(pol.get(name, {}).get("speedup")) for name in ("diffusion", "static_time", "params"))
+            lines.append(
+                f"| {NAMES.get(dynamic, dynamic)}{strength} | {p} | {uniform} | {_x(cmp['oracle']['speedup'])} "
+                f"| {opt} | {rebalance} | {others} | {loss} | {_x(SEED.get(dynamic))} |"
+            )
+    return lines
+
+
+def sweep_table(sim: Mapping[str, Any]) -> list[str]:
+    """Per dynamic: the strength sweep at the sweep's stage count, and where the seed's figure is reached."""
+    from dynmo_lightning.bench.timeline import PRESETS
+
+    lines = []
+    for dynamic, entry in sim["dynamics"].items():
+        sweep = entry.get("strength_sweep")
+        if not sweep:
+            continue
+        reached = entry["seed_reached"]
+        verdict = (
+            f"reaches the seed's {_x(SEED[dynamic])} at {PRESETS[dynamic].strength} {reached['strength']}"
+            if reached["reached"]
+            else f"stays below the seed's {_x(SEED[dynamic])}: at most {_x(reached['oracle_speedup'])} "
+            f"({PRESETS[dynamic].strength} {reached['strength']})"
+        )
+        lines += [f"**{NAMES[dynamic]}** ({PRESETS[dynamic].name}): the oracle {verdict}.", ""]
+        lines += [f"| {PRESETS[dynamic].strength} | oracle | DynMo `optimal` | share | val loss |"]
+        lines += ["|---:|---:|---:|---:|---:|"]
+        for point in sweep:
+            lines.append(
+                f"| {point['strength']} | {_x(point['oracle_speedup'])} | {_x(point['optimal_speedup'])} "
+                f"| {_pct(point['share_of_oracle'])} | {point['val_loss']:.3f} |"
+            )
+        lines.append("")
+    return lines
+
+
+def bandwidth_table(sim: Mapping[str, Any]) -> list[str]:
+    """DynMo's speed-up at the sweep's stage count for migration bandwidths from this machine's to NVLink's."""
+    dynamics = [d for d, e in sim["dynamics"].items() if e.get("bandwidth_sweep")]
+    if not dynamics:
+        return []
+    widths = [point["bytes_per_s"] for point in sim["dynamics"][dynamics[0]]["bandwidth_sweep"]]
+    lines = ["| dynamic | " + " | ".join(f"{w / 1e9:g} GB/s" for w in widths) + " |", "|---|" + "---:|" * len(widths)]
+    for dynamic in dynamics:
+        sweep = sim["dynamics"][dynamic]["bandwidth_sweep"]
+        cells = [f"{_x(p['optimal_speedup'])} ({_pct(p['share_of_oracle'])})" for p in sweep]
+        lines.append(f"| {NAMES.get(dynamic, dynamic)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def repack_table(sim: Mapping[str, Any]) -> list[str]:
+    """Consolidation: ``optimal+repack``'s speed-up, the ranks it ends on and the rank-seconds it saves."""
+    lines = [
+        "| dynamic | P | `optimal+repack` speed-up | `optimal` speed-up | ranks at the end | rank-seconds saved |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for dynamic, entry in sim["dynamics"].items():
+        for p, cmp in entry["by_stages"].items():
+            repack, uniform = cmp["policies"].get("optimal+repack"), cmp["policies"]["uniform"]
+            if repack is None or "rank_seconds" not in repack:
+                continue
+            saved = 1.0 - repack["rank_seconds"] / uniform["rank_seconds"]
+            lines.append(
+                f"| {NAMES.get(dynamic, dynamic)} | {p} | {_x(repack['speedup'])} "
+                f"| {_x(cmp['policies']['optimal']['speedup'])} | {repack['world_size_end']} | {_pct(saved)} |"
+            )
+    return lines if len(lines) > 2 else []
+
+
+def real_table(real: Mapping[str, Any]) -> list[str]:
+    """The A/B runs: DynMo against uniform with 95 % intervals, the ideal ratio of the same window, the lag."""
+    lines = [
+        "| dynamic | uniform tokens/s | DynMo tokens/s | **ratio** [95 % interval] | ideal ratio | share of ideal "
+        "| reaction lag | val loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = {(r["dynamic"], r["policy"]): r for r in real["rows"]}
+    for dynamic in dict.fromkeys(r["dynamic"] for r in real["rows"]):
+        uniform, dynmo = rows.get((dynamic, "uniform")), rows.get((dynamic, "optimal"))
+        if uniform is None or dynmo is None:
+            continue
+        lag = dynmo.get("reaction_lag_steps")
+        lag_text = f"{lag['max_steps']} steps ({lag['max_intervals']:.1f} profile intervals)" if lag else "—"
+        speeds = f"{np.mean(uniform['tokens_per_s']):,.0f} | {np.mean(dynmo['tokens_per_s']):,.0f}"
+        ratio = f"**{_x(dynmo['ratio'])}** [{dynmo['ratio_low']:.3f}, {dynmo['ratio_high']:.3f}]"
+        lines.append(
+            f"| {NAMES.get(dynamic, dynamic)} | {speeds} | {ratio} | {_x(dynmo['ideal_ratio'])} "
+            f"| {_pct(dynmo['share_of_ideal'])} | {lag_text} | {dynmo['val_loss']:.3f} |"
+        )
+    return lines
+
+
+def layer_table(table: Mapping[str, Any]) -> list[str]:
+    """What one LLM-sized layer costs here, forward and backward, in the main states."""
+    s = table["shape"]
+    rows = [
+        ("block, trainable", table["block"]["trainable"]),
+        ("block, frozen (no autograd)", table["block"]["frozen"]),
+        ("attention half, all heads", table["attention"][max(table["attention"], key=float)]),
+        ("MLP half, all neurons", table["mlp"][max(table["mlp"], key=float)]),
+        ("block, 1/8 of its tokens active (early exit)", _at(table["exit"], 0.125)),
+        ("block, capacity 1/8 (Mixture of Depths)", _at(table["mod"], 0.125)),
+        ("embedding", table["embedding"]),
+        ("head + loss (vocabulary " + f"{s['vocab']})", table["head"]),
+    ]
+    lines = [
+        f"hidden {s['hidden']}, {s['heads']} heads, sequence {s['seq']}, micro-batch {s['micro_batch']}, "
+        f"{table['threads']} threads; dense block forward at {block_gflops(dict(table)):.0f} GFLOP/s.",
+        "",
+        "| layer | forward | backward |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {name} | {1e3 * c['fwd']:.0f} ms | {1e3 * c['bwd']:.0f} ms |" for name, c in rows]
+    return lines
+
+
+def _at(axis: Mapping[str, Any], value: float) -> Mapping[str, float]:
+    return axis[min(axis, key=lambda k: abs(float(k) - value))]
+
+
+# --------------------------------------------------------------------------------------------------- plots
+def plot_speedups(sim: Mapping[str, Any], path: Path) -> Path:
+    """Grouped bars per dynamic at every P: oracle, DynMo, static_time, params; the seed's figure as a marker."""
+    dynamics = [d for d in sim["dynamics"] if d != "none"]
+    stages = list(next(iter(sim["dynamics"].values()))["by_stages"])
+    fig, ax = figure(1, len(stages), width=5.0 * len(stages), height=4.5, sharey=True)
+    bars = (("oracle", "oracle"), ("optimal", "DynMo optimal"), ("static_time", "static_time"), ("params", "params"))
+    for col, p in enumerate(stages):
+        panel = ax[0, col]
+        x = np.arange(len(dynamics))
+        for k, (key, label) in enumerate(bars):
+            values = []
+            for d in dynamics:
+                cmp = sim["dynamics"][d]["by_stages"][p]
+                values.append(cmp["oracle"]["speedup"] if key == "oracle" else cmp["policies"][key]["speedup"])
+            panel.bar(x + (k - 1.5) * 0.2, values, 0.2, label=label)
+        panel.scatter(x, [SEED[d] for d in dynamics], marker="*", s=120, color="k", zorder=3, label="seed (paper)")
+        panel.axhline(1.0, color="grey", lw=0.8, ls=":")
+        panel.set_xticks(x, [NAMES[d] for d in dynamics], rotation=30, ha="right")
+        panel.set(title=f"P = {p}", ylabel=f"speed-up over uniform ({TIMES})" if col == 0 else None)
+        panel.grid(axis="y", alpha=0.3)
+    ax[0, -1].legend(fontsize="small")
+    return save(fig, path)
+
+
+def plot_sweeps(sim: Mapping[str, Any], path: Path) -> Path | None:
+    """The oracle's and DynMo's speed-up against each dynamic's strength, the seed's figure as a line."""
+    from dynmo_lightning.bench.timeline import PRESETS
+
+    dynamics = [d for d, e in sim["dynamics"].items() if e.get("strength_sweep")]
+    if not dynamics:
+        return None
+    fig, ax = figure(2, math.ceil(len(dynamics) / 2), width=12.0, height=7.0)
+    for k, dynamic in enumerate(dynamics):
+        panel = ax.flat[k]
+        sweep = sim["dynamics"][dynamic]["strength_sweep"]
+        xs = [p["strength"] for p in sweep]
+        panel.plot(xs, [p["oracle_speedup"] for p in sweep], "o-", label="oracle")
+        panel.plot(xs, [p["optimal_speedup"] for p in sweep], "s--", label="DynMo optimal")
+        panel.axhline(SEED[dynamic], color="k", ls=":", label="seed")
+        panel.set(title=NAMES[dynamic], xlabel=PRESETS[dynamic].strength, ylabel=TIMES)
+        panel.grid(alpha=0.3)
+    ax.flat[0].legend(fontsize="small")
+    for panel in ax.flat[len(dynamics) :]:
+        panel.axis("off")
+    return save(fig, path)
+
+
+def plot_stage_loads(trace: Sequence[Mapping[str, Any]], cmp: Mapping[str, Any], dynamic: str, path: Path) -> Path:
+    """Per-stage load over the steps under the uniform split and under DynMo's splits (at one P)."""
+    fig, ax = figure(1, 2, width=12.0, height=4.0, sharey=True)
+    steps = [e["step"] for e in trace]
+    for col, policy in enumerate(("uniform", "optimal")):
+        changes = cmp["policies"][policy]["partitions"]
+        loads = []
+        for entry in trace:
+            split = [s for step, s in changes if step <= entry["step"]][-1]
+            costs = [f + b for f, b in zip(entry["fwd"], entry["bwd"], strict=True)]
+            loads.append(balance.stage_loads(costs, split))
+        plot_stage_lines(ax[0, col], steps, np.array(loads))
+        ax[0, col].set(title=f"{NAMES.get(dynamic, dynamic)}, P={cmp['n_stages']}: {policy}", xlabel="step")
+        ax[0, col].grid(alpha=0.3)
+    ax[0, 0].set_ylabel("stage forward + backward per micro-batch (s)")
+    return save(fig, path)
+
+
+def plot_real(real: Mapping[str, Any], path: Path) -> Path:
+    """DynMo's measured ratio to uniform per repeat, its 95 % interval and the ideal ratio of the same window."""
+    rows = [r for r in real["rows"] if r["policy"] == "optimal"]
+    fig, ax = figure(1, 1, width=7.0, height=4.0)
+    panel = ax[0, 0]
+    for k, row in enumerate(rows):
+        labels = ("repeats", "mean, 95 %", "ideal") if k == 0 else (None, None, None)
+        panel.scatter([k] * len(row["ratios"]), row["ratios"], color="C0", alpha=0.5, label=labels[0])
+        error = [[row["ratio"] - row["ratio_low"]], [row["ratio_high"] - row["ratio"]]]
+        panel.errorbar(k, row["ratio"], yerr=error, fmt="o", color="C1", capsize=6, label=labels[1])
+        if row["ideal_ratio"]:
+            panel.scatter(k, row["ideal_ratio"], marker="_", s=600, color="k", label=labels[2])
+    panel.axhline(1.0, color="grey", ls=":")
+    panel.set_xticks(range(len(rows)), [NAMES.get(r["dynamic"], r["dynamic"]) for r in rows])
+    panel.set(ylabel=f"DynMo / uniform tokens per second ({TIMES})", title="Real A/B on this machine's 2 ranks")
+    panel.grid(axis="y", alpha=0.3)
+    panel.legend(fontsize="small")
+    return save(fig, path)
+
+
+# --------------------------------------------------------------------------------------------------- the report
+def report_bench(directory: str | Path) -> list[Path]:
+    """Write ``benchmarks.md`` and ``plots/*.png`` of a ``dynmo-bench`` directory; returns the plots."""
+    d = Path(directory)
+    costs, real, sim = (_read(d / name) for name in ("layer_costs.json", "real.json", "simulated.json"))
+    plots: list[Path] = []
+    lines = [
+        "# DynMo benchmarks",
+        "",
+        "Rebuilt by `dynmo-report` from the files of this directory alone (`dynmo-bench hydra.run.dir=docs/bench "
+        "resume=true` regenerates them). A reading guide: [`../benchmarks.md`](../benchmarks.md).",
+        "",
+    ]
+    if costs:
+        lines += ["## Machine", "", ", ".join(f"{k} {v}" for k, v in costs["machine"].items()), ""]
+    if sim:
+        lines += _scale_section(sim)
+        plots += _scale_plots(sim, d)
+    if real:
+        lines += _real_section(real)
+        plots.append(plot_real(real, d / "plots" / "real.png"))
+    if costs:
+        lines += ["## Layer costs at LLM size", "", *layer_table(costs), ""]
+    lines += ["## Plots", "", *(f"![{p.stem}](plots/{p.name})" for p in plots), ""]
+    (d / "benchmarks.md").write_text("\n".join(lines))
+    return plots
+
+
+def _scale_section(sim: Mapping[str, Any]) -> list[str]:
+    net = sim["network"]
+    first = next(iter(next(iter(sim["dynamics"].values()))["by_stages"].values()))
+    per_stage = first["n_microbatches"] // first["n_stages"]
+    stages = [int(p) for p in next(iter(sim["dynamics"].values()))["by_stages"]]
+    return [
+        f"## DynMo at scale: realistic traces, {min(stages)} to {max(stages)} stages",
+        "",
+        "Each dynamic's layer-state timeline (a 62-block GPT trained with the preset) priced with the layer costs "
+        f"measured below; 1F1B with {per_stage} micro-batches per stage; an activation hop takes "
+        f"{1e3 * net['p2p_latency']:.2f} ms + bytes at {net['p2p_bandwidth'] / 1e9:.2f} GB/s, layers migrate at "
+        f"{net['migration_bandwidth'] / 1e9:.2f} GB/s (all measured on this machine). Speed-ups are over the uniform "
+        "split (Megatron-LM's); the oracle re-splits optimally at every step, for free. The uniform split gives every "
+        "stage the same number of blocks and leaves the embedding and the vocabulary head on the end stages, so a "
+        "split balanced once on measured costs (`static_time`) already beats it without any dynamic; the column "
+        "*DynMo over `static_time`* is what re-balancing during training adds to that.",
+        "",
+        *headline_table(sim),
+        "",
+        "### Strength sweeps: where the seed's figure is reached",
+        "",
+        *sweep_table(sim),
+        "### Migration bandwidth (clusters)",
+        "",
+        *bandwidth_table(sim),
+        "",
+        "### Consolidation",
+        "",
+        "`optimal+repack` packs the layers onto fewer ranks when the work fits within the balancer's repack tolerance "
+        "(5 % of the best step time by default) and releases the rest; rank-seconds are the ranks held times the "
+        "time taken, against the uniform split on all P ranks.",
+        "",
+        *repack_table(sim),
+        "",
+    ]
+
+
+def _scale_plots(sim: Mapping[str, Any], d: Path) -> list[Path]:
+    plots = [plot_speedups(sim, d / "plots" / "speedup.png")]
+    sweeps = plot_sweeps(sim, d / "plots" / "sweeps.png")
+    plots += [sweeps] if sweeps else []
+    stages = [str(p) for p in sim.get("stages", [])]
+    p = stages[len(stages) // 2] if stages else None
+    for dynamic, entry in sim["dynamics"].items():
+        trace = _read(d / "traces" / f"{dynamic}.jsonl.gz")
+        if trace and p in entry["by_stages"]:
+            path = d / "plots" / f"stage_loads_{dynamic}_P{p}.png"
+            plots.append(plot_stage_loads(trace, entry["by_stages"][p], dynamic, path))
+    return plots
+
+
+def _real_section(real: Mapping[str, Any]) -> list[str]:
+    link, cfg = real["link"], real["config"]
+    hop = 1e3 * (link["p2p_latency_s"] + link["p2p_bytes"] / link["p2p_bytes_per_s"])
+    return [
+        "## Real A/B on this machine",
+        "",
+        f"{cfg['world_size']} ranks, GPT {cfg['model']['n_layer']} blocks x {cfg['model']['n_embd']}, batches of "
+        f"{cfg['data']['batch_size']} x {cfg['data']['block_size']} tokens in {cfg['microbatches']} micro-batches, "
+        f"{cfg['steps']} steps, tokens/s from step {cfg['measure_from']}; {cfg['repeats']} repeats, policies "
+        f"alternating; one activation hop {hop:.2f} ms. Ratio: DynMo's tokens/s over the uniform run beside it.",
+        "",
+        *real_table(real),
+        "",
+    ]

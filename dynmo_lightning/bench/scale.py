@@ -1,0 +1,124 @@
+"""Pipelines of many stages, simulated from realistic cost traces: DynMo against static splits and the oracle.
+
+Every policy replays the trace through :func:`~dynmo_lightning.sim.simulate_run` - the balancer's own decision code
+(:class:`~dynmo_lightning.balance.BalancePolicy`), with migrations charged at a migration bandwidth and activations
+sent between stages at a point-to-point bandwidth and latency. The **oracle** is the most any balancer could get: at
+every step the optimal split of that step's costs, moved to for free. Reported per policy: total time, speed-up over
+the uniform split (Megatron-LM's), the share of the oracle's speed-up reached, migrations and bytes moved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from dynmo_lightning import balance
+from dynmo_lightning.sim import simulate_layers, simulate_run
+
+#: End-to-end speed-ups the DynMo paper reports over static Megatron-LM / DeepSpeed splits.
+SEED = {"moe": 1.23, "pruning": 3.18, "freezing": 2.23, "sparse_attention": 4.02, "early_exit": 4.52, "mod": 1.17}
+#: Policies replayed at scale: the two static splits, the one-shot profile, and DynMo's methods (with consolidation).
+POLICIES = ("uniform", "params", "static_time", "optimal", "diffusion", "optimal+repack")
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """The links a simulated pipeline runs on.
+
+    Attributes:
+        p2p_latency: seconds per activation transfer between stages, whatever its size.
+        p2p_bandwidth: bytes per second of an activation transfer.
+        migration_bandwidth: bytes per second a layer migration moves (weights and optimizer state).
+    """
+
+    p2p_latency: float
+    p2p_bandwidth: float
+    migration_bandwidth: float
+
+    def p2p(self, activation_bytes: float) -> float:
+        """Seconds of one hop of an activation of ``activation_bytes``."""
+        return self.p2p_latency + activation_bytes / self.p2p_bandwidth
+
+
+def oracle(trace: Sequence[dict[str, Any]], n_stages: int, *, n_microbatches: int, p2p: float) -> dict[str, Any]:
+    """Every step on the optimal split of its own costs, with free migration: the bound for any balancer."""
+    total, splits = 0.0, []
+    for entry in trace:
+        costs = [f + b for f, b in zip(entry["fwd"], entry["bwd"], strict=True)]
+        split = balance.partition(costs, n_stages, method="optimal")
+        total += simulate_layers(entry["fwd"], entry["bwd"], split, n_microbatches, "1f1b", p2p).step_time
+        if not splits or splits[-1][1] != split:
+            splits.append((entry["step"], split))
+    return {"total_time": total, "n_migrations": len(splits) - 1}
+
+
+def compare(
+    trace: Sequence[dict[str, Any]],
+    n_stages: int,
+    network: Network,
+    *,
+    microbatches_per_stage: int = 4,
+    every_n_steps: int = 10,
+    policies: Sequence[str] = POLICIES,
+) -> dict[str, Any]:
+    """Every policy and the oracle on one trace at ``n_stages``; speed-ups over the uniform split.
+
+    Returns:
+        ``{"n_stages", "n_microbatches", "n_steps", "p2p_s", "oracle": {...}, "policies": {name: {"total_time",
+        "speedup", "share_of_oracle", "n_migrations", "bytes_moved", "rank_seconds", "world_size_end",
+        "partitions"}}}``; the oracle's entry has ``total_time``, ``speedup`` and ``n_migrations``.
+    """
+    m = microbatches_per_stage * n_stages
+    p2p = network.p2p(trace[0]["activation_bytes"][0])
+    runs = {
+        policy: simulate_run(
+            trace,
+            policy,
+            n_stages,
+            n_microbatches=m,
+            p2p=p2p,
+            every_n_steps=every_n_steps,
+            bandwidth=network.migration_bandwidth,
+        )
+        for policy in policies
+    }
+    uniform = runs["uniform"].total_time
+    best = oracle(trace, n_stages, n_microbatches=m, p2p=p2p)
+    best["speedup"] = uniform / best["total_time"]
+    out: dict[str, Any] = {
+        "n_stages": n_stages, "n_microbatches": m, "n_steps": len(trace), "p2p_s": p2p, "oracle": best, "policies": {},
+    }  # fmt: skip
+    for name, run in runs.items():
+        speedup = uniform / run.total_time
+        out["policies"][name] = {
+            "total_time": run.total_time,
+            "speedup": speedup,
+            "share_of_oracle": _share(speedup, best["speedup"]),
+            "n_migrations": run.n_migrations,
+            "bytes_moved": run.bytes_moved,
+            "rank_seconds": run.rank_seconds,
+            "world_size_end": run.world_sizes[-1][1],
+            "partitions": [[step, split] for step, split in run.partitions],
+        }
+    return out
+
+
+def _share(speedup: float, oracle_speedup: float) -> float:
+    """How much of the oracle's speed-up a policy reaches, as a ratio of speed-ups (1: all of it)."""
+    return speedup / oracle_speedup if oracle_speedup > 0 else math.nan
+
+
+def seed_reached(sweep: Sequence[dict[str, Any]], seed: float) -> dict[str, Any]:
+    """Where a strength sweep reaches the paper's figure: the first strength whose oracle speed-up does, if any.
+
+    Args:
+        sweep: ``[{"strength", "oracle_speedup", ...}]`` in the order of increasing strength.
+        seed: the paper's speed-up.
+    """
+    for point in sweep:
+        if point["oracle_speedup"] >= seed:
+            return {"reached": True, "strength": point["strength"], "oracle_speedup": point["oracle_speedup"]}
+    top = max(sweep, key=lambda p: p["oracle_speedup"])
+    return {"reached": False, "strength": top["strength"], "oracle_speedup": top["oracle_speedup"]}

@@ -1,0 +1,36 @@
+"""Layer costs at LLM size: the measurement's shape, and the table's interpolation (synthetic numbers, no timing)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_data import synthetic_table
+
+from dynmo_lightning.bench.layer_costs import CostTable, LayerShape, measure
+
+
+def test_table_interpolates_every_axis():
+    table = CostTable(json.loads(json.dumps(synthetic_table())))  # keys of the axes are strings after JSON
+    assert table.block() == (1.0, 2.0)
+    assert table.block(frozen=True) == (0.9, 0.0)
+    # a pruned block costs its halves; pruned and frozen: its forward, scaled as the dense block's, no backward
+    assert table.block(mlp_kept=0.5, heads_kept=0.25) == pytest.approx((0.4 * 0.25 + 0.6 * 0.5, 0.8 * 0.25 + 1.2 * 0.5))
+    assert table.block(frozen=True, mlp_kept=0.5, heads_kept=0.5) == pytest.approx((0.5 * 0.9, 0.0))
+    assert table.exit(0.75) == pytest.approx((0.8, 1.6))
+    assert table.mod(0.375) == pytest.approx((0.375, 0.75))
+    assert table.sparse(1.0) == pytest.approx((1.0, 2.0))
+    assert table.moe([12, 16, 0]) == pytest.approx((0.5 + 0.15 + 0.2, 1.0 + 0.3 + 0.4))
+    assert table.end("head") == (2.0, 4.0)
+
+
+def test_measure_times_every_state_on_a_small_layer():
+    shape = LayerShape(hidden=32, heads=2, seq=32, vocab=64, n_experts=4, attn_block=8)
+    parts = ["dense and frozen block", "early exit", "embedding and head"]
+    table = measure(shape, parts=parts, min_run_time=0.001, log=lambda s: None)
+    assert table["shape"]["hidden"] == 32 and table["threads"] >= 1 and table["machine"]["device"] == "cpu"
+    # A frozen block runs forward only (no backward timed at all); timings themselves are not judged here.
+    assert table["block"]["frozen"]["bwd"] == 0.0 and table["block"]["trainable"]["bwd"] >= 0.0
+    assert table["block"]["trainable"]["activation_bytes"] > 0 == table["block"]["frozen"]["activation_bytes"]
+    assert len(table["exit"]) == 6 and all(c["fwd"] > 0 for c in table["exit"].values())
+    assert table["head"]["fwd"] > 0 and "attention" not in table

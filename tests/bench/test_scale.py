@@ -1,0 +1,36 @@
+"""Simulation at scale: the oracle, the policies, the sweeps' verdicts (synthetic traces, no timing)."""
+
+from __future__ import annotations
+
+import pytest
+from bench_data import frozen_prefix_trace
+
+from dynmo_lightning.bench.scale import Network, compare, oracle, seed_reached
+
+NET = Network(p2p_latency=1e-4, p2p_bandwidth=1e9, migration_bandwidth=1e9)
+
+
+def test_dynmo_follows_the_oracle_when_layers_freeze():
+    result = compare(frozen_prefix_trace(), 4, NET, every_n_steps=10)
+    policies, best = result["policies"], result["oracle"]
+    assert policies["uniform"]["speedup"] == 1.0
+    # 40 of 60 steps frozen: steady state 1F1B goes from 48 + 15 x 12 to 32 + 15 x 9 per step, ~1.16x overall
+    assert best["speedup"] > 1.1 and best["n_migrations"] == 1
+    # DynMo moves right after the freeze (it reacts to the event) and reaches nearly all of the oracle's speed-up
+    assert policies["optimal"]["share_of_oracle"] > 0.95
+    assert policies["optimal"]["partitions"][-1][0] <= 24
+    # the one-shot baselines plan before the freeze and stay
+    assert policies["static_time"]["speedup"] < policies["optimal"]["speedup"]
+    assert result["n_microbatches"] == 16 and result["p2p_s"] == pytest.approx(1e-4 + 1e-3)
+
+
+def test_oracle_is_the_per_step_optimum():
+    trace = frozen_prefix_trace(n_steps=5)
+    static = oracle(trace, 2, n_microbatches=4, p2p=0.0)
+    assert static["n_migrations"] == 0 and static["total_time"] > 0
+
+
+def test_seed_reached_names_the_first_strength_or_the_best():
+    sweep = [{"strength": 0.5, "oracle_speedup": 1.2}, {"strength": 0.8, "oracle_speedup": 2.5}]
+    assert seed_reached(sweep, 2.0) == {"reached": True, "strength": 0.8, "oracle_speedup": 2.5}
+    assert seed_reached(sweep, 3.0) == {"reached": False, "strength": 0.8, "oracle_speedup": 2.5}
