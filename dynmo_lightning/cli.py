@@ -1,4 +1,4 @@
-"""Hydra entry points: ``dynmo-train``.
+"""Hydra entry points: ``dynmo-train``; and ``dynmo-export`` (a checkpoint as one plain ``state_dict`` file).
 
 ``dynmo-train`` composes ``conf/config.yaml`` (groups ``model``, ``data``, ``trainer``, ``strategy``, ``balancer``,
 ``dynamics``), trains, and writes ``summary.json``, ``csv/metrics.csv`` and ``checkpoints/final.ckpt`` (plus
@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as L
+import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -24,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 import dynmo_lightning  # noqa: F401  (registers strategy="dynmo")
 from dynmo_lightning.callbacks import CostTrace, RunSummary
+from dynmo_lightning.pipeline import sharded
 
 #: Environment variables Lightning's process launcher sets for the ranks it starts.
 _LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -123,3 +126,22 @@ def train() -> None:
 
 if __name__ == "__main__":
     train()
+
+
+def export(argv: list[str] | None = None) -> None:
+    """``dynmo-export CKPT OUT``: the unsplit model's ``state_dict`` of a checkpoint as one ``torch.save`` file.
+
+    ``CKPT`` is a sharded checkpoint directory or a single file; the result loads into the plain model with
+    ``model.load_state_dict(torch.load(OUT), strict=True)``. ``--full`` writes the whole single-file Lightning
+    checkpoint instead (optimizer states by parameter name, loops, callbacks), which resumes like any other.
+    """
+    parser = argparse.ArgumentParser(prog="dynmo-export", description=export.__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a checkpoint written by DynMoStrategy (directory or file)")
+    parser.add_argument("out", help="the file to write")
+    parser.add_argument("--full", action="store_true", help="the whole checkpoint, not only the state_dict")
+    args = parser.parse_args(argv)
+    if not os.path.exists(args.checkpoint):
+        raise SystemExit(f"dynmo-export: {args.checkpoint} does not exist")
+    whole = sharded.load_whole(args.checkpoint)
+    torch.save(whole if args.full else whole["state_dict"], args.out)
+    print(f"dynmo-export: wrote {args.out} ({len(whole['state_dict'])} tensors)")

@@ -259,6 +259,16 @@ class PipelineControl(Protocol):
         ...
 
     @property
+    def waiting(self) -> int:
+        """Released processes waiting to be re-admitted by :meth:`grow`."""
+        ...
+
+    @property
+    def releases(self) -> list[dict[str, Any]]:
+        """Every release by a consolidation (ranks, hosts, whole nodes freed)."""
+        ...
+
+    @property
     def partitions(self) -> list[dict[str, Any]]:
         """``[{"step", "layers_per_stage"}]``: the initial split and every change."""
         ...
@@ -266,6 +276,11 @@ class PipelineControl(Protocol):
     @property
     def replica_ranks(self) -> list[list[int]]:
         """Global ranks of every replica's pipeline, by pipeline rank."""
+        ...
+
+    @property
+    def pipeline_nodes(self) -> list[Any] | None:
+        """The node each pipeline rank runs on (``None``: unknown); a repack frees whole nodes."""
         ...
 
     def request_profile(self) -> None:
@@ -288,8 +303,14 @@ class PipelineControl(Protocol):
         """Move layers to a new split (collective); returns what moved."""
         ...
 
-    def shrink(self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit") -> Any:
-        """Consolidate onto ``keep_ranks`` and release the other processes (collective)."""
+    def shrink(
+        self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit", release_to: Any = None
+    ) -> Any:
+        """Consolidate onto ``keep_ranks`` and release the other processes; tell ``release_to`` (collective)."""
+        ...
+
+    def grow(self, layers_per_stage: list[int]) -> Any:
+        """Re-admit waiting processes as new stages of ``layers_per_stage`` (collective)."""
         ...
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:

@@ -41,18 +41,20 @@ from typing_extensions import override
 
 from dynmo_lightning import balance
 from dynmo_lightning.pipeline import checkpoint as ckpt
-from dynmo_lightning.pipeline import groups, launcher
+from dynmo_lightning.pipeline import groups, launcher, sharded
+from dynmo_lightning.pipeline.elastic import ElasticWorld
 from dynmo_lightning.pipeline.layout import Mesh, PipelineGroup, ReplicaLayout, check_batch, make_mesh, shard_dataloader
 from dynmo_lightning.pipeline.migration import MigrationStats
 from dynmo_lightning.pipeline.precision import PipelinePrecision
 from dynmo_lightning.pipeline.reduce import GlobalNormClipping, last_stage_perplexity, replicas_in_sync
+from dynmo_lightning.pipeline.resize import ResizeMixin
 from dynmo_lightning.pipeline.runtime import StagePlan, first_dim
 from dynmo_lightning.pipeline.stages import LocalStages
 from dynmo_lightning.pipeline.watchdog import Watchdog
 from dynmo_lightning.protocol import split_batch
 
 
-class DynMoStrategy(ParallelStrategy):
+class DynMoStrategy(ResizeMixin, ParallelStrategy):
     """Pipeline parallelism for pipeline-ready LightningModules (see :mod:`dynmo_lightning.protocol`).
 
     Each process holds one pipeline stage (or ``stages_per_rank`` interleaved stages): a contiguous run of the
@@ -77,6 +79,9 @@ class DynMoStrategy(ParallelStrategy):
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
         cluster_environment: set by the Trainer (torchrun, SLURM, Lightning's own launcher, ...).
+        checkpoint_format: ``"sharded"`` (a directory: every stage writes its own layers with
+            ``torch.distributed.checkpoint``, any width reads them), ``"single"`` (one file gathered on rank 0) or
+            ``"auto"`` (sharded when the pipeline has more than one stage). Both formats load either way.
         checkpoint_io: set by the Trainer (wrapped to write atomically).
         precision_plugin: set by the Trainer (wrapped to clip by the norm over all stages).
     """
@@ -92,6 +97,7 @@ class DynMoStrategy(ParallelStrategy):
         data_parallel_size: int = 1,
         timeout: timedelta | float = timedelta(minutes=5),
         heartbeat_timeout: float = 15.0,
+        checkpoint_format: str = "auto",
         process_group_backend: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -108,13 +114,15 @@ class DynMoStrategy(ParallelStrategy):
         self.data_parallel_size = data_parallel_size
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self.heartbeat_timeout = float(heartbeat_timeout)
+        if checkpoint_format not in sharded.FORMATS:
+            raise ValueError(f"checkpoint.format={checkpoint_format!r} is not one of {list(sharded.FORMATS)}")
+        self.checkpoint_format = checkpoint_format
         self._process_group_backend = process_group_backend
         self.num_nodes = 1  # set by the Trainer
         self._watchdog: Watchdog | None = None
         self._layout: ReplicaLayout | None = None
         self._mesh: Mesh | None = None
         self._stages: LocalStages | None = None
-        self._control: dist.TCPStore | None = None  # rank 0's store that released processes wait on
         self._eval_metrics: dict[str, Any] = {}
         self._shard_data: bool | None = None  # the Trainer's use_distributed_sampler (the strategy shards itself)
         #: Batch size the sampler delivered in the last training step (before a replica takes its part).
@@ -123,6 +131,9 @@ class DynMoStrategy(ParallelStrategy):
         self.schedule_seconds = 0.0
         #: ``[{"step", "layers_per_stage"}]``: the initial partition and every change.
         self.partitions: list[dict[str, Any]] = []
+        #: The job's processes across shrinks and grows: their nodes, stable ids, who waits to come back.
+        self.elastic = ElasticWorld()
+        self._device: torch.device | None = None  # pinned at start-up: a shrink renumbers local ranks, not devices
 
     # --- processes, devices and plugins ------------------------------------------------------------------------------
     @property
@@ -133,6 +144,8 @@ class DynMoStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
+        if self._device is not None:
+            return self._device
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
@@ -238,6 +251,8 @@ class DynMoStrategy(ParallelStrategy):
         self._process_group_backend = backend
         kwargs = {"device_id": device} if device.type != "cpu" else {}
         fabric_dist._init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **kwargs)
+        self._device = device
+        self.elastic.start(self.node_rank)
         self._use_layout(ReplicaLayout.even(self.world_size, self.data_parallel_size))
         self._start_watchdog(*groups.host_stores(1, self.cluster_environment.main_address, self._timeout))
 
@@ -473,46 +488,6 @@ class DynMoStrategy(ParallelStrategy):
         self.partitions.append({"step": self.lightning_module.trainer.global_step, "layers_per_stage": lps})
         return stats
 
-    def shrink(self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit") -> MigrationStats:
-        """Consolidate every pipeline replica onto pipeline ranks ``keep_ranks``; release the others (collective).
-
-        Layers move onto the kept ranks with their state; the survivors start a new default process group (see
-        :func:`~dynmo_lightning.pipeline.groups.rejoin`). A released process leaves ``trainer.fit`` with
-        ``SystemExit(0)`` at once (``on_release="exit"``) or when training ends (``"wait"``); with ``"data_parallel"``
-        freed processes that make whole pipelines become replicas that split their source replica's batches.
-
-        Args:
-            keep_ranks: current pipeline ranks that keep running, ascending, starting with 0 (it logs and
-                checkpoints, it is never released).
-            layers_per_stage: the partition over the kept ranks.
-            on_release: ``"exit"``, ``"wait"`` or ``"data_parallel"``.
-        """
-        assert self._stages and self._layout and self.cluster_environment and self.lightning_module is not None
-        groups.check_shrink(keep_ranks, on_release, self.stages_per_rank)
-        lps = balance.validate_partition(layers_per_stage, self.n_layers, len(keep_ranks))
-        # Every process must derive the same new layout: agree on the batch size it splits first.
-        self._batch_size = self.broadcast(self._batch_size)
-        layout, copies = self._layout.regroup(keep_ranks, on_release, self._batch_size, self.n_microbatches)
-        # Rank 0 opens the new world's stores now, on ports no other process can take before they are used.
-        stores, ports = groups.host_stores(3, self.cluster_environment.main_address, self._timeout)
-        with self._phase(f"consolidation onto pipeline ranks {keep_ranks} (layer migration and copies)"):
-            stats = self._stages.pack(keep_ranks, lps, copies, self.optimizers, self.global_rank)
-        with self._phase("consolidation (end of the old process group)"):
-            dist.barrier()
-        self._stop_watchdog()  # the old world's heartbeats end with it (released processes fall silent on purpose)
-        self.cluster_environment = groups.rejoin(
-            self.cluster_environment, layout.order, self.global_rank, stores, ports,
-            on_release="exit" if on_release == "data_parallel" else on_release,
-            backend=self._process_group_backend or "gloo", timeout=self._timeout, device=self.root_device,
-        )  # fmt: skip
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        self._control = stores[1] if on_release == "wait" else None  # released processes wait on it until teardown
-        self._use_layout(layout.renumbered())
-        self._start_watchdog(stores, ports)
-        self._stages.adopt(StagePlan(tuple(lps), len(keep_ranks)), self._pipe, self.optimizers)
-        self.partitions.append({"step": self.lightning_module.trainer.global_step, "layers_per_stage": lps})
-        return stats
-
     # --- collectives (over the whole job, as Lightning expects) ------------------------------------------------------
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
@@ -550,39 +525,50 @@ class DynMoStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.dp_rank != 0:
+        if self.dp_rank != 0 or self._layout is None:
             return  # replicas are identical: the first one writes
+        checkpoint["dynmo"] = ckpt.record_layout(self.partitions, self.world_size, self._layout)
+        shard = self.checkpoint_format == "sharded" or (self.checkpoint_format == "auto" and self.pp_size > 1)
         with self._phase(f"checkpoint save ({os.fspath(filepath)})"):
+            if shard and "://" not in os.fspath(filepath):  # DCP's writer is a file system's (remote: one file)
+                return sharded.save_sharded(checkpoint, filepath, self._pipe)
             merged = ckpt.gather_checkpoint(checkpoint, self._pipe)
-        if merged is not None and self._layout is not None:
-            merged["dynmo"] = ckpt.record_layout(self.partitions, self.world_size, self._layout)
-            if self.is_global_zero:
-                self.checkpoint_io.save_checkpoint(merged, filepath, storage_options=storage_options)
+        if merged is not None and self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(merged, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if sharded.is_sharded(checkpoint_path):
+            checkpoint = sharded.load_meta(checkpoint_path)  # each stage reads its own tensors from the shards
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         ckpt.warn_layout_change(checkpoint, checkpoint_path, self.dp_size)
         return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None and self._stages is not None
-        ckpt.load_local_state(self.lightning_module, checkpoint["state_dict"], self._stages.split.state_keys, strict)
+        keys = self._stages.split.state_keys
+        if sharded.SHARDS_KEY in checkpoint:
+            return sharded.load_stage_model(self.lightning_module, checkpoint[sharded.SHARDS_KEY], keys, strict)
+        ckpt.load_local_state(self.lightning_module, checkpoint["state_dict"], keys, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self._stages is not None
         names = self._stages.param_names()
-        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            optimizer.load_state_dict(ckpt.local_optimizer_state(saved, optimizer, names))
+        shards = checkpoint.get(sharded.SHARDS_KEY)
+        for i, (optimizer, saved) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"], strict=True)):
+            if shards is not None:
+                optimizer.load_state_dict(sharded.load_stage_optimizer(optimizer, i, saved, shards, names))
+            else:
+                optimizer.load_state_dict(ckpt.local_optimizer_state(saved, optimizer, names))
             _optimizer_to_device(optimizer, self.root_device)
 
     @override
     def teardown(self) -> None:
         self._stop_watchdog()
-        if self._control is not None:
-            self._control.set(groups.SHUTDOWN_KEY, "1")  # processes released with on_release="wait" may exit now
+        self.elastic.end()  # processes released with on_release="wait" may exit now
         module = self._lightning_module
         if module is not None and any(p.is_meta for p in module.parameters()):
             self._lightning_module = None  # set-up failed before the split: moving meta tensors would mask the error

@@ -21,7 +21,7 @@ from _bench import fit
 
 from dynmo_lightning import DynMoBalancer
 from dynmo_lightning.balance import diffuse, partition
-from dynmo_lightning.bench import ideal_ratio
+from dynmo_lightning.bench.real import ideal_ratio
 
 RATIOS = [16, 16, 8, 4, 1, 1, 1, 1]
 
@@ -110,7 +110,7 @@ def main() -> None:
         trainer, tps = run(args, [balancer])
         results["balanced"].append(tps)
         results["profiled_static"].append(run(args, [AlwaysProfile()])[1])
-        ideal = ideal_ratio(balancer.tracker.values, 2, args.microbatches)
+        ideal = ideal_ratio(balancer.tracker.values, 2, args.microbatches, 0.0)
         partitions = trainer.strategy.partitions
     mean = {k: sum(v) / len(v) for k, v in results.items()}
     overhead = 100 * (mean["static"] / mean["profiled_static"] - 1)

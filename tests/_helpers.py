@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from dynmo_lightning.launch import run_ranks
+from dynmo_lightning.pipeline.sharded import load_whole
 
 #: A gpt_tiny small enough that a 20-step run of 4 processes takes seconds on 2 cores.
 TINY = [
@@ -32,6 +33,18 @@ TINY = [
     "strategy.timeout=60",
 ]
 
+# Layers 0-3 of 6 freeze at step 3: only block 3 and the head train (their forward+backward) afterwards.
+FREEZE = ["dynamics=freezing", "dynamics.mode=schedule", "dynamics.schedule={0:3,1:3,2:3,3:3}", "dynamics.start_step=0"]
+# ... so that two stages do the work of four within the tolerance: consolidate onto two processes.
+REPACK = [
+    "balancer=optimal",
+    "balancer.every_n_steps=5",
+    "balancer.warmup_steps=2",
+    "balancer.repack=true",
+    "balancer.repack_tolerance=0.5",
+    "balancer.min_world_size=2",
+]
+
 
 class CliRun:
     """A finished `dynmo-train` run: its directory, summary and end-of-training checkpoint."""
@@ -45,7 +58,7 @@ class CliRun:
 
     @property
     def checkpoint(self) -> dict[str, Any]:
-        return torch.load(self.run_dir / "checkpoints" / "final.ckpt", map_location="cpu", weights_only=False)
+        return load_whole(self.run_dir / "checkpoints" / "final.ckpt")  # sharded (a directory) or one file
 
 
 def launch_script(world_size: int, script: Path, *args: str, log_dir: Path, timeout: float = 600) -> None:
@@ -61,13 +74,19 @@ def launch_script(world_size: int, script: Path, *args: str, log_dir: Path, time
 
 
 def launch(
-    world_size: int, cases: dict[Path, list[str]], timeout: float = 600, *, inject_costs: bool = False
+    world_size: int,
+    cases: dict[Path, list[str]],
+    timeout: float = 600,
+    *,
+    inject_costs: bool = False,
+    load_rises_at: int | None = None,
 ) -> dict[Path, CliRun]:
     """Run several dynmo-train configurations in one launch of ``world_size`` processes (``tests/_worker.py``).
 
     Every case gets the tiny config plus its overrides and ``trainer.devices=world_size``; returns one
     :class:`CliRun` per run directory. ``inject_costs``: the balancer plans from structural layer costs instead of
-    measured times (``tests/injected_costs.py``), for tests whose verdict depends on its decisions.
+    measured times (``tests/injected_costs.py``), for tests whose verdict depends on its decisions; from step
+    ``load_rises_at`` on, frozen layers cost as if they trained again.
     """
     spec_dir = next(iter(cases)).parent
     spec_dir.mkdir(parents=True, exist_ok=True)
@@ -76,6 +95,7 @@ def launch(
             {"run_dir": str(d), "overrides": [*TINY, *o, f"trainer.devices={world_size}"]} for d, o in cases.items()
         ],
         "inject_costs": inject_costs,
+        "load_rises_at": load_rises_at,
     }
     spec_path = spec_dir / f"spec-{world_size}-{len(list(spec_dir.iterdir()))}.json"
     spec_path.write_text(json.dumps(spec))

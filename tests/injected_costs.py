@@ -15,21 +15,35 @@ from dynmo_lightning.strategy import DynMoStrategy
 SECONDS_PER_BYTE = 1e-6
 
 
-def structural(measured: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
-    """The measurements with times replaced by the structural cost of each layer."""
+def structural(measured: dict[int, dict[str, float]], *, tail_scale: float = 1.0) -> dict[int, dict[str, float]]:
+    """The measurements with times replaced by the structural cost of each layer.
+
+    ``tail_scale``: layers after the first two cost this share (as if most tokens left the model after its first
+    block, as under early exit).
+    """
     return {
-        i: {**m, "fwd": SECONDS_PER_BYTE * m["param_bytes"], "bwd": 2 * SECONDS_PER_BYTE * m["grad_bytes"]}
+        i: {
+            **m,
+            "fwd": (1.0 if i < 2 else tail_scale) * SECONDS_PER_BYTE * m["param_bytes"],
+            "bwd": (1.0 if i < 2 else tail_scale) * 2 * SECONDS_PER_BYTE * m["grad_bytes"],
+        }
         for i, m in measured.items()
     }
 
 
-def inject() -> None:
-    """Make every ``DynMoStrategy`` of this process report structural costs (a test's worker calls this first)."""
+def inject(load_rises_at: int | None = None) -> None:
+    """Make every ``DynMoStrategy`` of this process report structural costs (a test's worker calls this first).
+
+    With ``load_rises_at``, the layers after the first two cost 1 % until that step and fully from then on: the load
+    of a pipeline that fits on few ranks rises again (the layers' math is unchanged).
+    """
     measure = DynMoStrategy.profile_results
 
     def profile_results(self: DynMoStrategy) -> Any:
         measured = measure(self)
-        return None if measured is None else structural(measured)
+        step = self.lightning_module.trainer.global_step if self.lightning_module is not None else 0
+        tail = 0.01 if load_rises_at is not None and step < load_rises_at else 1.0
+        return None if measured is None else structural(measured, tail_scale=tail)
 
     DynMoStrategy.profile_results = profile_results  # type: ignore[method-assign]
 

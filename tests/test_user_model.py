@@ -14,6 +14,8 @@ import torch
 from _helpers import assert_close_losses, assert_close_params, launch_script
 from user_model import fit
 
+from dynmo_lightning.pipeline.sharded import load_whole
+
 SCRIPT = Path(__file__).with_name("_user_script.py")
 
 
@@ -39,7 +41,7 @@ def runs(tmp_path_factory):
 
 def _load(d: Path, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     losses = json.loads((d / f"{name}.json").read_text())["losses"]
-    state = torch.load(d / f"{name}.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    state = load_whole(d / f"{name}.ckpt")["state_dict"]  # sharded (P > 1) or one file
     return losses, state
 
 

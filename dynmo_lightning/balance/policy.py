@@ -17,7 +17,10 @@ A policy keeps what it has measured (a :class:`~dynmo_lightning.balance.CostTrac
 * :meth:`BalancePolicy.decide` - the check itself: plan a split with ``method``, decide whether migrating to it pays
   (:func:`~dynmo_lightning.balance.should_repartition`: the predicted saving until the next check beats the
   migration time, bytes to move over the bandwidth, and the relative gain beats ``min_gain``), then, with
-  ``repack``, whether fewer ranks keep the step time (:func:`~dynmo_lightning.balance.plan_repack`).
+  ``repack``, whether fewer ranks keep the step time (:func:`~dynmo_lightning.balance.plan_repack`) or, when
+  released ranks wait to come back (``PipelineShape.waiting``), whether more stages pay again: a *grow*, decided
+  when the larger pipeline is predicted faster by more than ``repack_tolerance`` and ``min_gain`` (the
+  hysteresis that keeps a shrink and a grow from following each other on the same costs).
 
 The caller carries the decisions out (moves layers, or replays their cost) and reports measured migrations back with
 :meth:`BalancePolicy.record_migration`, which updates the bandwidth estimate.
@@ -28,12 +31,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 from dynmo_lightning.balance.cost_model import should_repartition, stage_times, step_time
 from dynmo_lightning.balance.diffusion import diffuse
 from dynmo_lightning.balance.layout import bytes_moved
+from dynmo_lightning.balance.optimal import InfeasibleMemoryError
 from dynmo_lightning.balance.partition import partition
 from dynmo_lightning.balance.repack import plan_repack
 from dynmo_lightning.balance.tracker import CostTracker
@@ -47,7 +51,7 @@ METHODS = ("optimal", "diffusion", "static_time", "params", "random")
 ONE_SHOT = ("static_time", "params")
 
 #: What a check can decide.
-KEEP, MIGRATE, REPACK = "keep", "migrate", "repack"
+KEEP, MIGRATE, REPACK, GROW = "keep", "migrate", "repack", "grow"
 
 #: Bytes per second a migration is assumed to move until one has been measured.
 DEFAULT_BANDWIDTH = 1e9
@@ -63,6 +67,8 @@ class PipelineShape:
         n_microbatches: micro-batches per step.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
         param_counts: parameters of each layer (for ``method="params"``).
+        nodes: the node each rank runs on (a repack then frees whole nodes); ``None``: unknown.
+        waiting: released ranks that wait and may be re-admitted (a grow adds up to this many stages).
     """
 
     layers_per_stage: list[int]
@@ -70,6 +76,8 @@ class PipelineShape:
     n_microbatches: int
     schedule: str = "1f1b"
     param_counts: Sequence[int] | None = None
+    nodes: Sequence[Hashable] | None = None
+    waiting: int = 0
 
     @property
     def n_stages(self) -> int:
@@ -92,7 +100,7 @@ class Decision:
     """One outcome of a check, with the numbers behind it.
 
     Attributes:
-        action: :data:`KEEP`, :data:`MIGRATE` or :data:`REPACK`.
+        action: :data:`KEEP`, :data:`MIGRATE`, :data:`REPACK` or :data:`GROW`.
         current: the split before.
         proposed: the split after (the planned split, also when it is kept out of force).
         keep_ranks: for a repack, the current ranks that keep running (in order).
@@ -184,6 +192,8 @@ class BalancePolicy:
         self.react_samples = react_samples
         self.tracker: CostTracker | None = None
         self.planned_once = False
+        #: The most ranks the pipeline has had (with those waiting to come back): the size repack tolerances refer to.
+        self.full_stages = 0
         #: Fresh measurements since the last event (``None``: no event waiting for its check).
         self.after_event: int | None = None
         self._rng = random.Random(seed)
@@ -265,6 +275,7 @@ class BalancePolicy:
         Returns:
             The decisions, to be carried out in order (a repack plans from the split after the migration).
         """
+        self.full_stages = max(self.full_stages, pipe.n_ranks + pipe.waiting)
         proposed, info = self.plan(pipe)
         decision = self._migration(pipe, proposed, info)
         self.planned_once = True
@@ -275,7 +286,46 @@ class BalancePolicy:
             repack = self._repack(dataclasses.replace(pipe, layers_per_stage=after))
             if repack is not None:
                 decisions.append(repack)
+        if self.repack and self.method != "random" and pipe.waiting and len(decisions) == 1:
+            after = decision.proposed if decision.action == MIGRATE else pipe.layers_per_stage
+            grow = self._grow(dataclasses.replace(pipe, layers_per_stage=after))
+            if grow is not None:
+                decisions.append(grow)
         return decisions
+
+    def _grow(self, pipe: PipelineShape) -> Decision | None:
+        """More stages (up to ``pipe.waiting`` more) when the pipeline is slower than the repack tolerance allows.
+
+        The target is the one a repack aims at: the fewest stages within ``repack_tolerance`` of the optimal split
+        over the full pipeline (or, if none is, the fastest), so a shrink and a grow never undo each other on the
+        same costs.
+        """
+        assert self.tracker is not None
+        memory, capacity = self._memory(pipe)
+        n_layers = len(self.tracker.compute)
+
+        def best(n_stages: int) -> tuple[float, list[int]] | None:
+            try:
+                split = partition(self.tracker.compute, n_stages, method="optimal", memory=memory, capacity=capacity)
+            except InfeasibleMemoryError:
+                return None
+            return self._step_time(pipe, split), split
+
+        now, full = self._step_time(pipe, pipe.layers_per_stage), best(min(self.full_stages, n_layers))
+        bar = (1 + self.repack_tolerance) * (full[0] if full is not None else now)
+        if now <= bar:
+            return None
+        options = [
+            b for n in range(pipe.n_stages + 1, min(pipe.n_stages + pipe.waiting, n_layers) + 1) if (b := best(n))
+        ]
+        if not options:
+            return None
+        t, split = next((o for o in options if o[0] <= bar), min(options, key=lambda o: o[0]))
+        if now - t < self.min_gain * now:
+            return None
+        return Decision(
+            GROW, list(pipe.layers_per_stage), split, None, now, t, info={"admit": len(split) - pipe.n_stages}
+        )
 
     def _migration(self, pipe: PipelineShape, proposed: list[int], info: dict[str, Any]) -> Decision:
         current = list(pipe.layers_per_stage)
@@ -316,6 +366,8 @@ class BalancePolicy:
             layer_bytes=self.layer_bytes(),
             memory=memory,
             capacity=capacity,
+            nodes=pipe.nodes,
+            reference_stages=self.full_stages,
         )
         if plan is None:
             return None
@@ -329,6 +381,7 @@ class BalancePolicy:
             plan.step_time,
             plan.bytes_moved,
             seconds,
+            info={"freed_nodes": plan.freed_nodes} if pipe.nodes is not None else {},
         )
 
     def layer_bytes(self) -> list[float]:
@@ -356,6 +409,7 @@ class BalancePolicy:
             "bandwidth": self.bandwidth,
             "planned_once": self.planned_once,
             "after_event": self.after_event,
+            "full_stages": self.full_stages,
             "rng": self._rng.getstate(),
         }
 
@@ -364,6 +418,7 @@ class BalancePolicy:
         self.bandwidth = float(state.get("bandwidth", DEFAULT_BANDWIDTH))
         self.planned_once = bool(state.get("planned_once", False))
         self.after_event = state.get("after_event")
+        self.full_stages = int(state.get("full_stages", 0))
         if state.get("rng") is not None:
             version, internal, gauss = state["rng"]  # a checkpoint turns the tuples into lists
             self._rng.setstate((version, tuple(internal), gauss))

@@ -3,25 +3,37 @@
 When dynamic techniques shrink the work (frozen layers cost only their forward, pruned layers shrink, exited tokens
 skip layers), the same step time can often be had on fewer workers: fewer stages also mean a shorter pipeline fill
 and drain (the cost model's ``sum + (M - 1) * max`` has fewer terms in the sum and fewer hops). :func:`plan_repack`
-finds the smallest stage count ``P'`` whose optimal split is predicted within ``tolerance`` of the current step time
-and fits in memory, and chooses which of the current ranks keep running so that the fewest bytes move.
+finds the smallest stage count ``P'`` whose optimal split is predicted within ``tolerance`` of the best step time (the
+optimal split over ``reference_stages``, the pipeline's full size; the current step time when not given) and fits in
+memory, and chooses which of the current ranks keep running so that the fewest bytes move.
 
 Rank choice: new stage ``s`` runs on kept rank ``r_s``, with ``r_0 = 0`` (rank 0 logs and checkpoints, it is never
 released) and ``r_0 < r_1 < ...`` (the kept ranks keep their order, so the new process group numbers them the same
 way). Among such monotone assignments a dynamic programme over (stage, rank) picks the one that leaves the most
 bytes where they are: ``kept[s][r]`` is the bytes of the new stage ``s``'s layers that rank ``r`` already holds, and
 ``best[s][r] = kept[s][r] + max over r' < r of best[s - 1][r']``.
+
+Whole nodes: a scheduler can take back a node only when nothing of the job runs on it any more, so a released rank
+on a node that still runs a stage frees nothing for it. Given each rank's node, the kept ranks are chosen first to
+free the most whole nodes (they fill the fewest nodes, rank 0's node always among them), then to move the fewest
+bytes among those node sets. The node sets are enumerated exactly up to :data:`MAX_NODE_SETS` candidates; beyond
+that the fullest nodes are taken (a greedy choice that still frees the most nodes, maybe moving more bytes).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import itertools
+import math
+from collections.abc import Hashable, Sequence
 
 from dynmo_lightning.balance.cost_model import stage_times, step_time
 from dynmo_lightning.balance.layout import validate_partition
 from dynmo_lightning.balance.optimal import InfeasibleMemoryError
 from dynmo_lightning.balance.partition import partition
+
+#: Node sets tried exactly when choosing which nodes keep running (beyond: the fullest nodes, greedily).
+MAX_NODE_SETS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +45,7 @@ class RepackPlan:
     step_time: float
     current_step_time: float
     bytes_moved: float
+    freed_nodes: list[Hashable] = dataclasses.field(default_factory=list)
 
     @property
     def n_stages(self) -> int:
@@ -53,6 +66,8 @@ def plan_repack(
     layer_bytes: Sequence[float] | None = None,
     memory: Sequence[float] | None = None,
     capacity: float | Sequence[float] | None = None,
+    nodes: Sequence[Hashable] | None = None,
+    reference_stages: int | None = None,
 ) -> RepackPlan | None:
     """The smallest consolidation predicted within ``tolerance`` of the current step time, or ``None``.
 
@@ -68,6 +83,11 @@ def plan_repack(
         layer_bytes: bytes that move with each layer (parameters, optimizer state); 1 per layer when omitted.
         memory: memory each layer needs on its stage (with ``capacity``); the new stages must fit.
         capacity: memory a stage may hold (one number for every stage).
+        nodes: the node each current rank runs on (any hashable: a host name, a node rank); when given, the kept
+            ranks free the most whole nodes (see the module docstring).
+        reference_stages: the tolerance is relative to the optimal split over this many stages (the job's full
+            pipeline): consolidations one after another then never add up to more than ``tolerance`` (relative to
+            the current step time, each would allow ``tolerance`` more). ``None``: relative to the current step time.
 
     Returns:
         The plan with the fewest stages (fewer than now), or ``None`` when no smaller pipeline is fast enough.
@@ -83,22 +103,69 @@ def plan_repack(
     current = validate_partition(current, n_layers)
     if layer_bytes is None:
         layer_bytes = [1.0] * n_layers
+    if nodes is not None and len(nodes) != len(current):
+        raise ValueError(f"nodes has {len(nodes)} entries for {len(current)} ranks: give one node per rank")
     costs = [f + b for f, b in zip(fwd, bwd, strict=True)]
     now = step_time(*stage_times(fwd, bwd, current), n_microbatches, schedule, p2p)
+    bar = (1 + tolerance) * now
+    if reference_stages is not None:
+        best = partition(costs, max(1, min(reference_stages, n_layers)), method="optimal")
+        bar = (1 + tolerance) * step_time(*stage_times(fwd, bwd, best), n_microbatches, schedule, p2p)
     for n_stages in range(min_stages, len(current)):
         try:
             proposed = partition(costs, n_stages, method="optimal", memory=memory, capacity=capacity)
         except InfeasibleMemoryError:
             continue
         predicted = step_time(*stage_times(fwd, bwd, proposed), n_microbatches, schedule, p2p)
-        if predicted <= (1 + tolerance) * now:
-            keep, moved = _keep_ranks(current, proposed, layer_bytes)
-            return RepackPlan(proposed, keep, predicted, now, moved)
+        if predicted <= bar:
+            if nodes is None:
+                keep, moved = _keep_ranks(current, proposed, layer_bytes)
+                return RepackPlan(proposed, keep, predicted, now, moved)
+            keep, moved = _keep_ranks_on_nodes(current, proposed, layer_bytes, list(nodes))
+            freed = list(dict.fromkeys(n for n in nodes if n not in {nodes[r] for r in keep}))
+            return RepackPlan(proposed, keep, predicted, now, moved, freed)
     return None
 
 
-def _keep_ranks(current: list[int], proposed: list[int], layer_bytes: Sequence[float]) -> tuple[list[int], float]:
-    """Monotone assignment of new stages to current ranks (stage 0 on rank 0) that moves the fewest bytes."""
+def _keep_ranks_on_nodes(
+    current: list[int], proposed: list[int], layer_bytes: Sequence[float], nodes: list[Hashable]
+) -> tuple[list[int], float]:
+    """:func:`_keep_ranks` on the fewest whole nodes (rank 0's among them), the fewest bytes moved among those."""
+    ranks_on: dict[Hashable, list[int]] = {}
+    for r, node in enumerate(nodes):
+        ranks_on.setdefault(node, []).append(r)
+    home, need = nodes[0], len(proposed)
+    others = sorted((n for n in ranks_on if n != home), key=lambda n: -len(ranks_on[n]))
+    # The fewest nodes that hold enough ranks: rank 0's node plus the fullest others.
+    k, have = 0, len(ranks_on[home])
+    while have < need:
+        have += len(ranks_on[others[k]])
+        k += 1
+    if math.comb(len(others), k) <= MAX_NODE_SETS:
+        candidates = [
+            c
+            for c in itertools.combinations(others, k)
+            if sum(len(ranks_on[n]) for n in c) >= need - len(ranks_on[home])
+        ]
+    else:
+        candidates = [tuple(others[:k])]
+    best: tuple[list[int], float] | None = None
+    for chosen in candidates:
+        allowed = {r for n in (home, *chosen) for r in ranks_on[n]}
+        keep, moved = _keep_ranks(current, proposed, layer_bytes, allowed)
+        if best is None or moved < best[1]:
+            best = (keep, moved)
+    assert best is not None
+    return best
+
+
+def _keep_ranks(
+    current: list[int], proposed: list[int], layer_bytes: Sequence[float], allowed: set[int] | None = None
+) -> tuple[list[int], float]:
+    """Monotone assignment of new stages to current ranks (stage 0 on rank 0) that moves the fewest bytes.
+
+    Only ranks in ``allowed`` (every rank when ``None``) may be kept; rank 0 always is.
+    """
     owner = [r for r, n in enumerate(current) for _ in range(n)]
     n_ranks, n_new = len(current), len(proposed)
     kept = [[0.0] * n_ranks for _ in range(n_new)]
@@ -116,7 +183,7 @@ def _keep_ranks(current: list[int], proposed: list[int], layer_bytes: Sequence[f
         for r in range(1, n_ranks):
             if best[s - 1][r - 1] > run:
                 run, arg = best[s - 1][r - 1], r - 1
-            if run > neg:
+            if run > neg and (allowed is None or r in allowed):
                 best[s][r], came[s][r] = run + kept[s][r], arg
     r = max(range(n_ranks), key=lambda q: (best[-1][q], -q))
     ranks = [r]

@@ -15,15 +15,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from dynmo_lightning import balance
 from dynmo_lightning.balance import CostTracker
-from dynmo_lightning.balance.policy import METHODS, MIGRATE, REPACK, BalancePolicy, Decision, PipelineShape
+from dynmo_lightning.balance.policy import GROW, METHODS, MIGRATE, REPACK, BalancePolicy, Decision, PipelineShape
 from dynmo_lightning.pipeline.groups import ON_RELEASE
+from dynmo_lightning.pipeline.release import RELEASE_TO, ReleaseHandler, make_release_handler
 from dynmo_lightning.protocol import PipelineControl, pipeline_control
 
-__all__ = ["METHODS", "ON_RELEASE", "DynMoBalancer"]
+__all__ = ["METHODS", "ON_RELEASE", "RELEASE_TO", "DynMoBalancer"]
 
 
 class DynMoBalancer(Callback):
@@ -52,6 +54,12 @@ class DynMoBalancer(Callback):
             ``"wait"`` (idle, holding no memory for layers, until training ends) or ``"data_parallel"`` (released
             processes that make a whole pipeline become a new data-parallel replica, splitting the batch of the
             replica they came from: same global batch, more throughput; the rest exit).
+        release_to: who is told of a release, to take the freed resources back: ``"none"``, ``"slurm"`` (shrink the
+            Slurm allocation to the kept nodes with ``scontrol update`` and give the survivors the resized job's
+            environment), ``"command"`` (run ``release_command`` with the release as JSON on its standard input), or
+            a callable taking a :class:`~dynmo_lightning.pipeline.release.ReleaseEvent`. Its failure is logged and
+            never stops training.
+        release_command: the shell command of ``release_to="command"``.
         react_samples: when a dynamics callback reports changed layers (frozen, pruned), their cost history
             restarts, the next ``react_samples`` steps are profiled and a check follows at once (0: wait for the
             regular check).
@@ -73,9 +81,12 @@ class DynMoBalancer(Callback):
         min_world_size: int = 1,
         on_release: str = "exit",
         react_samples: int = 3,
+        release_to: str | ReleaseHandler = "none",
+        release_command: str | None = None,
     ) -> None:
         if on_release not in ON_RELEASE:
             raise ValueError(f"balancer.on_release={on_release!r} is not one of {list(ON_RELEASE)}")
+        self.release_to = make_release_handler(release_to, release_command)
         self.policy = BalancePolicy(
             method,
             every_n_steps=every_n_steps,
@@ -184,6 +195,8 @@ class DynMoBalancer(Callback):
             strategy.n_microbatches,
             strategy.schedule,
             strategy.layer_param_counts,
+            strategy.pipeline_nodes,
+            strategy.waiting,
         )
 
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: PipelineControl) -> None:
@@ -196,6 +209,8 @@ class DynMoBalancer(Callback):
         for decision in decisions:
             if decision.action == REPACK:
                 self._consolidate(trainer, pl_module, strategy, decision)
+            elif decision.action == GROW:
+                self._grow(trainer, pl_module, strategy, decision)
             else:
                 self._migrate(trainer, pl_module, strategy, decision, plan_s)
 
@@ -239,9 +254,17 @@ class DynMoBalancer(Callback):
                 "proposed": decision.proposed,
                 "predicted_step_s": decision.predicted_step_s,
                 "current_step_s": decision.current_step_s,
+                **decision.info,
             }
         )
-        stats = strategy.shrink(decision.keep_ranks, decision.proposed, on_release=self.on_release)
+        freed = decision.info.get("freed_nodes")
+        rank_zero_info(
+            f"DynMo consolidation at step {trainer.global_step}: {len(decision.keep_ranks)} of {strategy.pp_size} "
+            f"pipeline ranks kept ({decision.keep_ranks}); whole nodes freed: {freed if freed else 'none'}"
+        )
+        stats = strategy.shrink(
+            decision.keep_ranks, decision.proposed, on_release=self.on_release, release_to=self.release_to
+        )
         pl_module.log_dict(
             {
                 "balancer/world_size": float(strategy.world_size),
@@ -250,6 +273,20 @@ class DynMoBalancer(Callback):
                 "balancer/released": float(world_before - strategy.world_size),
                 "balancer/repack_ms": 1e3 * stats.seconds,
             },
+            on_step=True,
+            on_epoch=False,
+        )
+
+    def _grow(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: PipelineControl, decision: Decision
+    ) -> None:
+        """Re-admit waiting processes as new stages (more stages pay again)."""
+        record = {"step": trainer.global_step, "grow": decision.info.get("admit"), "proposed": decision.proposed,
+                  "predicted_step_s": decision.predicted_step_s, "current_step_s": decision.current_step_s}  # fmt: skip
+        self.history.append(record)
+        stats = strategy.grow(decision.proposed)
+        pl_module.log_dict(
+            {"balancer/world_size": float(strategy.world_size), "balancer/grow_ms": 1e3 * stats.seconds},
             on_step=True,
             on_epoch=False,
         )
@@ -286,6 +323,8 @@ class DynMoBalancer(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.policy.load_state_dict(state_dict)
+        # Mid-run (a process re-admitted by a grow) the tracker is restored at once: every process profiles and
+        # checks on the same steps.
+        self.policy.load_state_dict(state_dict, self._bound.n_layers if self._bound is not None else None)
         self.history = list(state_dict.get("history", []))
         self._restored = state_dict

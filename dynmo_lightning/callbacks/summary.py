@@ -23,7 +23,8 @@ class RunSummary(Callback):
     tokens per second of training time, validation excluded), ``world_size_start``, ``world_size_end``, ``world_size``
     (``[{"step", "world_size", "replicas"}]``: every change), ``replicas_end`` (data-parallel replicas at the end),
     ``replicas_in_sync`` (whether all replicas ended with bit-identical parameters and buffers), ``partitions``
-    (``[{"step", "layers_per_stage"}]``, from the strategy when it splits the model), ``param_norm`` (float64 L2 norm
+    (``[{"step", "layers_per_stage"}]``, from the strategy when it splits the model), ``releases`` (every release
+    of a consolidation: ranks, hosts, whole nodes freed), ``param_norm`` (float64 L2 norm
     of all final parameters, across pipeline stages).
 
     Args:
@@ -95,6 +96,7 @@ class RunSummary(Callback):
             "replicas_end": _world(trainer)["replicas"],
             "replicas_in_sync": replicas_in_sync,
             "partitions": list(control.partitions) if control is not None else [],
+            "releases": list(control.releases) if control is not None else [],
             "param_norm": norm,
         }
         os.makedirs(self.run_dir, exist_ok=True)

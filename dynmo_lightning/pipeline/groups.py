@@ -10,8 +10,14 @@ and keeps its address, node and local rank, so devices stay where they were.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import logging
+import os
 import socket
+import sys
+import time
+from collections.abc import Hashable, Sequence
 from datetime import timedelta
 from typing import NoReturn
 
@@ -41,12 +47,22 @@ class ResizedEnvironment(ClusterEnvironment):
         main_port: the new world's rendezvous port.
     """
 
-    def __init__(self, base: ClusterEnvironment, world_size: int, global_rank: int, main_port: int) -> None:
+    def __init__(
+        self,
+        base: ClusterEnvironment,
+        world_size: int,
+        global_rank: int,
+        main_port: int,
+        local_rank: int | None = None,
+        node_rank: int | None = None,
+    ) -> None:
         super().__init__()
         self.base = base.base if isinstance(base, ResizedEnvironment) else base
         self._world_size = world_size
         self._global_rank = global_rank
         self._main_port = main_port
+        self._local_rank = local_rank
+        self._node_rank = node_rank
 
     @property
     @override
@@ -86,15 +102,72 @@ class ResizedEnvironment(ClusterEnvironment):
 
     @override
     def local_rank(self) -> int:
-        return self.base.local_rank()
+        return self.base.local_rank() if self._local_rank is None else self._local_rank
 
     @override
     def node_rank(self) -> int:
-        return self.base.node_rank()
+        return self.base.node_rank() if self._node_rank is None else self._node_rank
 
     @override
     def teardown(self) -> None:
         self.base.teardown()
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldView:
+    """One survivor's place in the world after a shrink, as every launcher and Lightning describe it.
+
+    Attributes:
+        rank: global rank.
+        world_size: processes in the world.
+        local_rank: rank among the processes on this node.
+        local_world_size: processes on this node.
+        node_rank: this node's index among the nodes still running the job (rank 0's node first).
+        num_nodes: nodes still running the job.
+        main_port: the new world's rendezvous port.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    main_port: int
+
+    def environ(self) -> dict[str, str]:
+        """The variables torchrun and Lightning's launchers set, for this world."""
+        return {
+            "WORLD_SIZE": str(self.world_size),
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "NODE_RANK": str(self.node_rank),
+            "GROUP_RANK": str(self.node_rank),
+            "MASTER_PORT": str(self.main_port),
+        }
+
+
+def world_view(order: Sequence[int], me: int, nodes: Sequence[Hashable], main_port: int) -> WorldView:
+    """The place of old global rank ``me`` among the survivors ``order`` (old global ranks, in new-rank order).
+
+    Args:
+        order: the survivors.
+        me: a survivor.
+        nodes: the node of every old global rank.
+        main_port: the new world's rendezvous port.
+    """
+    kept = list(dict.fromkeys(nodes[g] for g in order))  # nodes in order of their first survivor: rank 0's first
+    mates = [g for g in order if nodes[g] == nodes[me]]
+    return WorldView(
+        rank=order.index(me),
+        world_size=len(order),
+        local_rank=mates.index(me),
+        local_world_size=len(mates),
+        node_rank=kept.index(nodes[me]),
+        num_nodes=len(kept),
+        main_port=main_port,
+    )
 
 
 def check_shrink(keep_ranks: list[int], on_release: str, stages_per_rank: int) -> None:
@@ -163,56 +236,83 @@ def rejoin(
     stores: list[dist.TCPStore | None],
     ports: list[int],
     *,
-    on_release: str,
     backend: str,
     timeout: timedelta,
     device: torch.device,
-) -> ResizedEnvironment:
-    """Leave the default process group; released processes stop here, the others start a new one (collective).
+    nodes: Sequence[Hashable] | None = None,
+) -> tuple[ResizedEnvironment, WorldView]:
+    """A survivor leaves the default process group and starts a new one with the others (collective).
 
     Args:
         environment: the job's cluster environment now.
         order: the global ranks that stay, in the order of their new ranks.
-        me: this process's global rank now.
-        stores: from :func:`host_stores` (3): the new world's rendezvous store, the control store released
-            processes wait on, the heartbeat store (open on rank 0 only).
+        me: this process's global rank now (in ``order``).
+        stores: from :func:`host_stores`: the new world's rendezvous store first (open on rank 0 only).
         ports: their ports.
-        on_release: what a released process does (``"exit"`` or ``"wait"``, see :func:`release`).
         backend: the new world's process group backend.
         timeout: its timeout.
         device: this process's device.
+        nodes: the node of every current global rank (default: one node per rank).
 
     Returns:
-        The environment of the new world (same address and devices, new ranks).
+        The environment of the new world (same address and devices, new ranks) and this process's place in it.
     """
     dist.destroy_process_group()
-    address = environment.main_address
-    if me not in order:
-        release(address, ports[1], on_release, device)
-    rank, size = order.index(me), len(order)
+    view = world_view(order, me, nodes if nodes is not None else list(range(max(order) + 1)), ports[0])
     restart_world(
-        address=address,
+        address=environment.main_address,
         port=ports[0],
-        rank=rank,
-        world_size=size,
+        rank=view.rank,
+        world_size=view.world_size,
         backend=backend,
         timeout=timeout,
         device=device,
         store=stores[0],
     )
-    return ResizedEnvironment(environment, size, rank, ports[0])
+    resized = ResizedEnvironment(environment, view.world_size, view.rank, ports[0], view.local_rank, view.node_rank)
+    return resized, view
 
 
-def release(address: str, control_port: int, on_release: str, device: torch.device) -> NoReturn:
+def release(
+    address: str, control_port: int, on_release: str, device: torch.device, key: str | None = None
+) -> bytes | None:
     """End a released process's part in training: it holds no layers any more (it sent them all).
 
-    It leaves ``trainer.fit`` with ``SystemExit(0)``: at once (``"exit"``), or once rank 0 says training ended
-    (``"wait"``: it idles on the control store until :data:`SHUTDOWN_KEY` is set).
+    With ``on_release="wait"`` it idles on the control store until rank 0 calls it back (``key`` is set: its value is
+    returned) or training ends (:data:`SHUTDOWN_KEY`: ``None``); otherwise it returns ``None`` at once. The caller
+    then ends the process with :func:`end_process`.
     """
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    if on_release == "wait":
-        store = dist.TCPStore(address, control_port, is_master=False, wait_for_workers=False, timeout=_RELEASED_WAIT)
-        store.wait([SHUTDOWN_KEY], _RELEASED_WAIT)
-    raise SystemExit(0)
+    if on_release != "wait":
+        return None
+    store = dist.TCPStore(address, control_port, is_master=False, wait_for_workers=False, timeout=_RELEASED_WAIT)
+    return wait_for_call(store, key or SHUTDOWN_KEY)
+
+
+def wait_for_call(store: dist.TCPStore, key: str, poll: float = 0.2) -> bytes | None:
+    """Block until ``key`` is set (returns its value and deletes it) or training ends (``None``)."""
+    deadline = time.monotonic() + _RELEASED_WAIT.total_seconds()
+    while time.monotonic() < deadline:
+        if store.check([SHUTDOWN_KEY]):
+            return None
+        if store.check([key]):
+            value = store.get(key)
+            store.delete_key(key)
+            return value
+        time.sleep(poll)
+    return None
+
+
+def end_process() -> NoReturn:
+    """End a released process with exit status 0.
+
+    It ends here rather than by raising through ``trainer.fit``, whose exception path would report the run as
+    interrupted (callbacks' ``on_exception``, loggers finalized as failed); the callbacks were told
+    (``on_released``) and the loggers finalized before.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -73,6 +73,9 @@ class TraceStrategy:
     layers_per_stage = property(lambda self: list(self._split))
     layer_param_counts = property(lambda self: [1] * self.n_layers)
     replica_ranks = property(lambda self: [list(range(len(self._split)))])
+    pipeline_nodes = property(lambda self: None)
+    waiting = property(lambda self: 0)
+    releases: list[dict[str, Any]] = []
 
     def request_profile(self) -> None:
         self._requested = True
@@ -94,8 +97,13 @@ class TraceStrategy:
     def repartition(self, layers_per_stage: list[int]) -> MigrationStats:
         return self._move(layers_per_stage, self.step + 1)
 
-    def shrink(self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit") -> Any:
+    def shrink(
+        self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit", release_to: Any = None
+    ) -> Any:
         return self._move(layers_per_stage, self.step + 1)
+
+    def grow(self, layers_per_stage: list[int]) -> Any:
+        raise AssertionError("nothing waits: no grow")
 
     def on_layers_changed(self, layers: list[int] | None = None) -> None:
         pass

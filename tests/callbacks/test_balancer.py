@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import lightning.pytorch as L
 import pytest
-import torch
 from _helpers import assert_close_losses, assert_close_params, launch
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.balance import InfeasibleMemoryError, bottleneck, partition
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
+from dynmo_lightning.pipeline.sharded import load_whole
 
 # a warm-up LR schedule runs too: migrations must leave the scheduler (bound to the same optimizer) intact
 STEPS = ["trainer.max_steps=30", "model.warmup_steps=10"]
@@ -89,7 +89,7 @@ def test_uneven_model_ends_on_the_optimum_of_its_costs(runs):
 @pytest.mark.timeout(900)
 def test_resumed_run_starts_from_the_balanced_split(runs):
     first, resumed = runs["uneven-first"], runs["uneven-resume"]
-    saved = torch.load(first.run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    saved = load_whole(first.run_dir / "checkpoints" / "last.ckpt")
     balanced = saved["callbacks"]["DynMoBalancer"]["partition"]
     assert balanced != [4, 4]
     assert resumed.summary["partitions"][-1]["layers_per_stage"] == balanced or len(resumed.summary["partitions"]) > 2

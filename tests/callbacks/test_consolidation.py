@@ -10,22 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from _helpers import TINY, assert_close_losses, launch
+from _helpers import FREEZE, REPACK, TINY, assert_close_losses, launch
 
 from dynmo_lightning import DynMoBalancer
 from dynmo_lightning.balance import plan_repack
 from dynmo_lightning.launch import clean_env
 
-# Layers 0-3 of 6 freeze at step 3: only block 3 and the head train (their forward+backward) afterwards.
-FREEZE = ["dynamics=freezing", "dynamics.mode=schedule", "dynamics.schedule={0:3,1:3,2:3,3:3}", "dynamics.start_step=0"]
-REPACK = [
-    "balancer=optimal",
-    "balancer.every_n_steps=5",
-    "balancer.warmup_steps=2",
-    "balancer.repack=true",
-    "balancer.repack_tolerance=0.5",
-    "balancer.min_world_size=2",
-]
 EPOCH = [
     "trainer.limit_train_batches=10",
     "trainer.val_check_interval=null",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import TINY, assert_close_losses, assert_close_model, assert_close_params, launch
+from _helpers import FREEZE, REPACK, TINY, assert_close_losses, assert_close_model, assert_close_params, launch
 
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.launch import clean_env
@@ -20,15 +20,9 @@ from dynmo_lightning.pipeline.groups import open_store
 from dynmo_lightning.pipeline.layout import ReplicaLayout
 
 STEPS = ["trainer.max_steps=12"]
-# Blocks 0-3 and the embedding freeze at step 3; the repack at step 5 then packs 4 stages onto 2.
-FREEZE = ["dynamics=freezing", "dynamics.mode=schedule", "dynamics.schedule={0:3,1:3,2:3,3:3}", "dynamics.start_step=0"]
+# Blocks 0-3 and the embedding freeze at step 3 (FREEZE); the repack at step 5 then packs 4 stages onto 2.
 GROW = [
-    "balancer=optimal",
-    "balancer.every_n_steps=5",
-    "balancer.warmup_steps=2",
-    "balancer.repack=true",
-    "balancer.repack_tolerance=0.5",
-    "balancer.min_world_size=2",
+    *REPACK,
     "balancer.on_release=data_parallel",
     # No re-partition within a pipeline (a relative gain never exceeds 1): only the repack changes the split.
     "balancer.min_gain=1.0",

@@ -11,6 +11,8 @@ import pytest
 import torch
 from _helpers import assert_close_losses, assert_close_params, launch
 
+from dynmo_lightning.pipeline.sharded import load_whole
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = ["trainer.max_steps=20"]
@@ -79,7 +81,7 @@ def test_params_partition_balances_parameter_counts(runs):
 
 
 def test_checkpoint_holds_unsplit_model_and_named_optimizer_state(runs):
-    ckpt = torch.load(runs["first"].run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    ckpt = load_whole(runs["first"].run_dir / "checkpoints" / "last.ckpt")  # P=2: a sharded directory
     names = set(ckpt["state_dict"])
     assert {"embed.wte.weight", "blocks.0.attn.qkv.weight", "blocks.3.mlp.fc.weight", "head.lm_head.weight"} <= names
     opt = ckpt["optimizer_states"][0]
@@ -98,7 +100,7 @@ def test_resume_at_other_world_size(runs, devices):
 def test_checkpoint_loads_into_plain_model(runs):
     from dynmo_lightning.models import GPT
 
-    ckpt = torch.load(runs["first"].run_dir / "checkpoints" / "final.ckpt", map_location="cpu", weights_only=True)
+    ckpt = load_whole(runs["first"].run_dir / "checkpoints" / "final.ckpt")
     model = GPT(**ckpt["hyper_parameters"])
     model.configure_model()
     model.load_state_dict(ckpt["state_dict"])  # strict: exactly the unsplit model's keys
