@@ -318,7 +318,9 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
                 stages.ties.check_shapes(stages.slots, stages.plan, self.pp_rank, self.optimizers)
         self.setup_precision_plugin()
         order = self._stages.split.param_order
-        self.precision_plugin.clip_by_norm = GlobalNormClipping(order, self._stages.param_names, lambda: self._pipe)
+        self.precision_plugin.clip_by_norm = GlobalNormClipping(
+            order, self._stages.param_names, lambda: self._pipe, lambda: self.root_device
+        )
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 

@@ -129,44 +129,50 @@ class GlobalNormClipping:
     """Clip gradients by the norm of *all* stages' gradients, exactly as the unsplit model's clipping would.
 
     ``torch.nn.utils.clip_grad_norm_`` takes the norm of the per-parameter norms in optimizer order. Each stage
-    computes its per-parameter norms the same way, all stages exchange them, and every stage stacks them in the
-    unsplit model's order (group, then parameter position), so the clip coefficient is bit-identical to one process.
+    computes its per-parameter norms the same way and writes them into one tensor at their slots in the unsplit model's
+    order (group, then parameter position), with a presence flag; one all-reduce (a sum) of that tensor gives every
+    stage all the norms, which it stacks in that order, so the clip coefficient is bit-identical to one process. A
+    tied parameter's copies hold the same gradient and norm: the sum of ``k`` copies divided by ``k`` is exactly it.
 
     Attributes:
         param_order: names of all parameters of the unsplit model, in its order.
         names: returns ``id(param) -> name`` in the unsplit model (a tie's copies share the canonical name).
         pipe: returns this process's pipeline (it changes when the world shrinks).
+        device: returns the device collectives of this process run on.
     """
 
     param_order: list[str]
     names: Callable[[], dict[int, str]]
     pipe: Callable[[], PipelineGroup]
+    device: Callable[[], torch.device] = lambda: torch.device("cpu")
 
     def __call__(self, optimizer: Optimizer, clip_val: float) -> None:
         """Scale the local gradients of ``optimizer`` so the global norm is at most ``clip_val``."""
         position = {name: i for i, name in enumerate(self.param_order)}
-        names = self.names()
-        params, keys = [], []
+        names, n = self.names(), len(self.param_order)
+        params, slots = [], []
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if p.grad is not None:
                     params.append(p)
-                    keys.append((g, position[names[id(p)]]))
+                    slots.append(g * n + position[names[id(p)]])
         grads = [p.grad for p in params]
         if grads and grads[0].device.type == "cpu":
             norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]  # torch's own CPU path
         else:
             norms = list(torch._foreach_norm(grads, 2.0)) if grads else []
-        pipe = self.pipe()
-        gathered: list[Any] = [None] * pipe.size
-        dist.all_gather_object(gathered, list(zip(keys, [float(n) for n in norms], strict=True)), group=pipe.group)
-        # A tied parameter's copies report the same key (and value): count it once, as the unsplit model does.
-        merged = {key: norm for part in gathered for key, norm in part}
-        ordered = [merged[key] for key in sorted(merged)]
+        # Row 0: the norms at their slots (float64 holds any float32 norm, and k times it, exactly); row 1: copies.
+        table = torch.zeros(2, len(optimizer.param_groups) * n, dtype=torch.float64, device=self.device())
+        if slots:
+            index = torch.tensor(slots, device=table.device)
+            table[0, index] = torch.stack(norms).to(table.device, torch.float64)
+            table[1, index] = 1.0
+        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.pipe().group)
         if not params:
             return
-        total = torch.linalg.vector_norm(torch.tensor(ordered, dtype=grads[0].dtype, device=grads[0].device), 2.0)
-        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+        present = table[1] > 0
+        ordered = (table[0, present] / table[1, present]).to(grads[0].dtype).to(grads[0].device)
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, torch.linalg.vector_norm(ordered, 2.0))
 
 
 def gather_costs(

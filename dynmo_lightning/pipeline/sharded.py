@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -175,7 +176,9 @@ def load_whole(path: str | os.PathLike[str]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     meta = load_meta(path)
-    tensors = _load_state_dict_from_keys({"model", "optim"}, checkpoint_id=meta.pop(SHARDS_KEY))
+    with warnings.catch_warnings():  # one process reading it all is the point here, not a misconfiguration
+        warnings.filterwarnings("ignore", message="torch.distributed is unavailable or uninitialized")
+        tensors = _load_state_dict_from_keys({"model", "optim"}, checkpoint_id=meta.pop(SHARDS_KEY))
     meta["state_dict"] = dict(tensors.get("model", {}))
     for i, named in enumerate(meta.get("optimizer_states") or []):
         named["state"] = dict(tensors.get("optim", {}).get(str(i), {}).get("state", {}))
