@@ -112,12 +112,17 @@ class LayerFreezing(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.mode != "auto":
             return
+        layers, norms = [], []
         for _, layer in local_layers(pl_module):
             grads = [p.grad for p in layer.parameters() if p.grad is not None]
             if grads:
-                norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-                # Layer state: the running sum moves with the layer when the balancer migrates it.
-                setattr(layer, _WINDOW, getattr(layer, _WINDOW, 0.0) + norm)
+                layers.append(layer)
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                norms.append(norm.to(torch.float64))  # exact for every floating dtype, so stacking any mix is safe
+        # One host sync for all layers (not one per layer): the same values as reading each one, read together.
+        for layer, norm in zip(layers, torch.stack(norms).tolist() if norms else [], strict=True):
+            # Layer state: the running sum moves with the layer when the balancer migrates it.
+            setattr(layer, _WINDOW, getattr(layer, _WINDOW, 0.0) + norm)
 
     @override
     def on_train_batch_end(
