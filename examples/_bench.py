@@ -7,31 +7,14 @@ Benchmarks run under ``torchrun`` so that every Trainer of an invocation reuses 
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import lightning.pytorch as L
 
 from dynmo_lightning import DynMoStrategy
+from dynmo_lightning.bench.real import Window
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
-
-
-class StepTimer(L.Callback):
-    """Wall time of the training steps from ``start_step`` on (rank 0's clock; the pipeline advances in lockstep)."""
-
-    def __init__(self, start_step: int) -> None:
-        self.start_step, self.t0, self.steps, self.seconds = start_step, 0.0, 0, 0.0
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        """Start the clock at ``start_step``."""
-        if trainer.global_step == self.start_step:
-            self.t0 = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, b: Any, i: int) -> None:
-        """Time and steps so far (the last step's values stand)."""
-        self.seconds = time.perf_counter() - self.t0
-        self.steps = trainer.global_step - self.start_step
 
 
 def world_size() -> int:
@@ -51,7 +34,7 @@ def fit(
 ) -> tuple[L.Trainer, float]:
     """Train a GPT for ``steps`` steps; returns the trainer and tokens/s measured from ``measure_from`` on."""
     L.seed_everything(0)
-    timer = StepTimer(measure_from)
+    timer = Window(measure_from)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world_size(),

@@ -35,7 +35,7 @@ import torch
 
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.bench import layer_costs
-from dynmo_lightning.bench.timeline import PRESETS
+from dynmo_lightning.bench.timeline import PRESETS, Losses
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.launch import run_ranks
 from dynmo_lightning.models import GPT
@@ -97,17 +97,6 @@ class SyncCounter(L.Callback):
             self._caught.__exit__(None, None, None)
             self._caught = None
         self.counts.append(n)
-
-
-class Losses(L.Callback):
-    """The training loss of every step."""
-
-    def __init__(self) -> None:
-        self.values: list[float] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, b: Any, i: int) -> None:
-        """Record the step's loss."""
-        self.values.append(float(out["loss"] if isinstance(out, dict) else out))
 
 
 class ProfilerCheck(L.Callback):

@@ -18,9 +18,9 @@ A policy keeps what it has measured (a :class:`~dynmo_lightning.balance.CostTrac
   (:func:`~dynmo_lightning.balance.should_repartition`: the predicted saving until the next check beats the
   migration time, bytes to move over the bandwidth, and the relative gain beats ``min_gain``), then, with
   ``repack``, whether fewer ranks keep the step time (:func:`~dynmo_lightning.balance.plan_repack`) or, when
-  released ranks wait to come back (``PipelineShape.waiting``), whether more stages pay again: a *grow*, decided
-  when the larger pipeline is predicted faster by more than ``repack_tolerance`` and ``min_gain`` (the
-  hysteresis that keeps a shrink and a grow from following each other on the same costs).
+  released ranks wait to come back (``PipelineShape.waiting``), whether more stages pay again: a *grow*, when the
+  pipeline is slower than ``repack_tolerance`` of the full pipeline's best, to the fewest stages within it. Both
+  aim at the same stage count for the same costs, so a shrink and a grow never undo each other.
 
 The caller carries the decisions out (moves layers, or replays their cost) and reports measured migrations back with
 :meth:`BalancePolicy.record_migration`, which updates the bandwidth estimate.
@@ -37,9 +37,8 @@ from typing import Any
 from dynmo_lightning.balance.cost_model import should_repartition, stage_times, step_time
 from dynmo_lightning.balance.diffusion import diffuse
 from dynmo_lightning.balance.layout import bytes_moved
-from dynmo_lightning.balance.optimal import InfeasibleMemoryError
 from dynmo_lightning.balance.partition import partition
-from dynmo_lightning.balance.repack import plan_repack
+from dynmo_lightning.balance.repack import best_split, plan_repack
 from dynmo_lightning.balance.tracker import CostTracker
 
 #: Planning methods: ``"optimal"`` and ``"diffusion"`` re-plan at every check; ``"static_time"`` and ``"params"``
@@ -302,14 +301,12 @@ class BalancePolicy:
         """
         assert self.tracker is not None
         memory, capacity = self._memory(pipe)
-        n_layers = len(self.tracker.compute)
+        v = self.tracker.values
+        n_layers = len(v["fwd"])
+        timing = {"n_microbatches": pipe.n_microbatches, "schedule": pipe.cost_schedule, "p2p": self.p2p}
 
         def best(n_stages: int) -> tuple[float, list[int]] | None:
-            try:
-                split = partition(self.tracker.compute, n_stages, method="optimal", memory=memory, capacity=capacity)
-            except InfeasibleMemoryError:
-                return None
-            return self._step_time(pipe, split), split
+            return best_split(v["fwd"], v["bwd"], n_stages, memory=memory, capacity=capacity, **timing)
 
         now, full = self._step_time(pipe, pipe.layers_per_stage), best(min(self.full_stages, n_layers))
         bar = (1 + self.repack_tolerance) * (full[0] if full is not None else now)

@@ -105,18 +105,18 @@ def plan_repack(
         layer_bytes = [1.0] * n_layers
     if nodes is not None and len(nodes) != len(current):
         raise ValueError(f"nodes has {len(nodes)} entries for {len(current)} ranks: give one node per rank")
-    costs = [f + b for f, b in zip(fwd, bwd, strict=True)]
+    timing = {"n_microbatches": n_microbatches, "schedule": schedule, "p2p": p2p}
     now = step_time(*stage_times(fwd, bwd, current), n_microbatches, schedule, p2p)
     bar = (1 + tolerance) * now
     if reference_stages is not None:
-        best = partition(costs, max(1, min(reference_stages, n_layers)), method="optimal")
-        bar = (1 + tolerance) * step_time(*stage_times(fwd, bwd, best), n_microbatches, schedule, p2p)
+        reference = best_split(fwd, bwd, max(1, min(reference_stages, n_layers)), **timing)
+        assert reference is not None  # no memory limit: every stage count up to the layers is feasible
+        bar = (1 + tolerance) * reference[0]
     for n_stages in range(min_stages, len(current)):
-        try:
-            proposed = partition(costs, n_stages, method="optimal", memory=memory, capacity=capacity)
-        except InfeasibleMemoryError:
+        best = best_split(fwd, bwd, n_stages, memory=memory, capacity=capacity, **timing)
+        if best is None:
             continue
-        predicted = step_time(*stage_times(fwd, bwd, proposed), n_microbatches, schedule, p2p)
+        predicted, proposed = best
         if predicted <= bar:
             if nodes is None:
                 keep, moved = _keep_ranks(current, proposed, layer_bytes)
@@ -125,6 +125,26 @@ def plan_repack(
             freed = list(dict.fromkeys(n for n in nodes if n not in {nodes[r] for r in keep}))
             return RepackPlan(proposed, keep, predicted, now, moved, freed)
     return None
+
+
+def best_split(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    n_stages: int,
+    *,
+    n_microbatches: int,
+    schedule: str = "1f1b",
+    p2p: float = 0.0,
+    memory: Sequence[float] | None = None,
+    capacity: float | Sequence[float] | None = None,
+) -> tuple[float, list[int]] | None:
+    """The optimal split over ``n_stages`` and its predicted step time, or ``None`` when it does not fit in memory."""
+    costs = [f + b for f, b in zip(fwd, bwd, strict=True)]
+    try:
+        split = partition(costs, n_stages, method="optimal", memory=memory, capacity=capacity)
+    except InfeasibleMemoryError:
+        return None
+    return step_time(*stage_times(fwd, bwd, split), n_microbatches, schedule, p2p), split
 
 
 def _keep_ranks_on_nodes(

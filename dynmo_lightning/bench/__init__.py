@@ -197,9 +197,10 @@ def simulate(cfg: DictConfig, out: Path) -> None:
         preset = timeline.PRESETS.get(dynamic)
         table = tables["long" if dynamic == "sparse_attention" else "short"]
         strength = preset.preset if preset else None
-        trace = timeline.realistic_trace(read_json(_timeline_path(out, dynamic, strength)), table)
+        preset_timeline = read_json(_timeline_path(out, dynamic, strength))
+        trace = timeline.realistic_trace(preset_timeline, table)
         save_trace(trace, out / "traces" / f"{dynamic}.jsonl.gz")
-        val = read_json(_timeline_path(out, dynamic, strength))["val_loss"]
+        val = preset_timeline["val_loss"]
         entry: dict[str, Any] = {"strength": strength, "val_loss": val, "val_loss_none": none["val_loss"]}
         kw = {"microbatches_per_stage": cfg.scale.microbatches_per_stage, "every_n_steps": cfg.scale.every_n_steps}
         entry["by_stages"] = {str(p): scale.compare(trace, p, net, **kw) for p in cfg.scale.stages}
@@ -211,8 +212,9 @@ def simulate(cfg: DictConfig, out: Path) -> None:
         if preset is not None:
             entry["strength_sweep"] = []
             for s in preset.sweep:
-                tl = read_json(_timeline_path(out, dynamic, s))
-                cmp = scale.compare(timeline.realistic_trace(tl, table), p, net, policies=two, **kw)
+                tl = preset_timeline if s == strength else read_json(_timeline_path(out, dynamic, s))
+                sweep_trace = trace if s == strength else timeline.realistic_trace(tl, table)
+                cmp = scale.compare(sweep_trace, p, net, policies=two, **kw)
                 entry["strength_sweep"].append({"strength": s, "val_loss": tl["val_loss"], **_headline(cmp)})
             entry["seed_reached"] = scale.seed_reached(entry["strength_sweep"], SEED[dynamic])
         result["dynamics"][dynamic] = entry

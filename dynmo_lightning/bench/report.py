@@ -8,8 +8,6 @@ the oracle, the static splits and the seed's figure, with the validation loss th
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,9 +16,11 @@ from typing import Any
 import numpy as np
 
 from dynmo_lightning import balance
+from dynmo_lightning.bench import read_json
 from dynmo_lightning.bench.layer_costs import block_gflops
 from dynmo_lightning.bench.scale import SEED
 from dynmo_lightning.plots import TIMES, figure, plot_stage_lines, save
+from dynmo_lightning.sim import load_trace
 
 #: Display names.
 NAMES = {
@@ -35,16 +35,10 @@ NAMES = {
 
 
 def _read(path: Path) -> Any:
-    """A JSON file, a gzip-compressed one, or a compressed JSON-lines trace (``None`` if it is not there)."""
+    """A (gzip-compressed) JSON file or a JSON-lines trace as ``dynmo-bench`` wrote it (``None`` if it is missing)."""
     if not path.is_file():
         return None
-    if path.suffix != ".gz":
-        return json.loads(path.read_text())
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        text = f.read()
-    if ".jsonl" in path.name:
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    return json.loads(text)
+    return load_trace(path) if ".jsonl" in path.name else read_json(path)
 
 
 def _x(value: float | None) -> str:

@@ -221,7 +221,7 @@ def record(dynamic: str, strength: float | None, config: TimelineConfig = Timeli
         init_seed=config.seed,
         tie_embeddings=False,
     )
-    states, losses = LayerStates(), _Losses()
+    states, losses = LayerStates(), Losses()
     callbacks: list[L.Callback] = [states, losses]
     if dynamic != "none":
         assert strength is not None
@@ -251,11 +251,14 @@ def record(dynamic: str, strength: float | None, config: TimelineConfig = Timeli
     }
 
 
-class _Losses(L.Callback):
+class Losses(L.Callback):
+    """The training loss of every step."""
+
     def __init__(self) -> None:
         self.values: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, b: Any, i: int):
+        """Record the step's loss."""
         self.values.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
 
 

@@ -10,7 +10,7 @@ back, and :class:`AtomicCheckpointIO` (the strategy's ``CheckpointIO``) writes t
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -155,6 +155,26 @@ def warn_layout_change(checkpoint: Mapping[str, Any], path: _PATH, dp_size: int)
         )
 
 
+def check_keys(local: Iterable[str], saved: Collection[str], global_keys: Collection[str]) -> None:
+    """Refuse a checkpoint whose keys do not match the model.
+
+    Every one of this stage's ``local`` keys must be saved, and no saved key may lie outside the unsplit model's
+    ``global_keys``.
+
+    Raises:
+        RuntimeError: naming the first missing and unexpected keys.
+    """
+    missing = [k for k in local if k not in saved]
+    unexpected = [k for k in saved if k not in global_keys]
+    if missing or unexpected:
+        raise RuntimeError(
+            "The checkpoint does not match the model: "
+            f"missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}. "
+            "Was it written for a different model configuration?"
+        )
+
+
 def load_local_state(module: nn.Module, saved: Mapping[str, Any], global_keys: set[str], strict: bool) -> None:
     """Load this stage's part of a whole-model state dict into ``module`` (which holds this stage's layers).
 
@@ -162,15 +182,8 @@ def load_local_state(module: nn.Module, saved: Mapping[str, Any], global_keys: s
         RuntimeError: the checkpoint does not match the model (missing or unexpected keys, other shapes).
     """
     local = module.state_dict().keys()
-    missing = [k for k in local if k not in saved]
-    unexpected = [k for k in saved if k not in global_keys]
-    if strict and (missing or unexpected):
-        raise RuntimeError(
-            "The checkpoint does not match the model: "
-            f"missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}. "
-            "Was it written for a different model configuration?"
-        )
+    if strict:
+        check_keys(local, saved.keys(), global_keys)
     try:
         module.load_state_dict({k: saved[k] for k in local if k in saved}, strict=strict)
     except RuntimeError as e:

@@ -126,11 +126,12 @@ class ElasticWorld:
         ``NODE_RANK``/``GROUP_RANK`` and ``MASTER_PORT`` of the new world.
         """
         world_before = len(self.hosts)
+        me = dist.get_rank()
+        dist.destroy_process_group()
         resized, view = groups.rejoin(
-            environment, order, dist.get_rank(), stores, ports, backend=backend, timeout=timeout, device=device,
-            nodes=[node for node, _ in self.hosts],
+            environment, order, me, stores, ports, nodes=[node for node, _ in self.hosts], backend=backend,
+            timeout=timeout, device=device,
         )  # fmt: skip
-        release.apply_environment(view.environ())
         event = release.describe(step, order, self.hosts, world_before)
         if on_release == "wait":
             self.waiting += [(self.origins[g], self.hosts[g]) for g in event.released_ranks]
@@ -180,19 +181,13 @@ class ElasticWorld:
     ) -> tuple[groups.ResizedEnvironment, groups.WorldView]:
         """Start the grown world of ``plan`` (collective over it); every process's view agrees afterwards."""
         order = plan["order"]
-        nodes = [h[0] for h in plan["hosts"]]
-        view = groups.world_view(list(range(len(order))), order.index(self.origin), nodes, plan["ports"][0])
-        groups.restart_world(
-            address=environment.main_address, port=view.main_port, rank=view.rank, world_size=view.world_size,
-            backend=backend, timeout=timeout, device=device, store=stores[0],
+        resized, view = groups.rejoin(
+            environment, range(len(order)), order.index(self.origin), stores, plan["ports"],
+            nodes=[h[0] for h in plan["hosts"]], backend=backend, timeout=timeout, device=device,
         )  # fmt: skip
         self.hosts = [tuple(h) for h in plan["hosts"]]
         self.origins = list(order)
         self.waiting = [(o, tuple(h)) for o, h in plan["waiting"]]
-        release.apply_environment(view.environ())
-        resized = groups.ResizedEnvironment(
-            environment, view.world_size, view.rank, view.main_port, view.local_rank, view.node_rank
-        )
         return resized, view
 
 

@@ -231,34 +231,37 @@ def restart_world(
 
 def rejoin(
     environment: ClusterEnvironment,
-    order: list[int],
+    order: Sequence[int],
     me: int,
-    stores: list[dist.TCPStore | None],
-    ports: list[int],
+    stores: Sequence[dist.TCPStore | None],
+    ports: Sequence[int],
     *,
+    nodes: Sequence[Hashable],
     backend: str,
     timeout: timedelta,
     device: torch.device,
-    nodes: Sequence[Hashable] | None = None,
 ) -> tuple[ResizedEnvironment, WorldView]:
-    """A survivor leaves the default process group and starts a new one with the others (collective).
+    """Start a new world among ``order`` (the old default process group is already destroyed; collective).
+
+    Every member's view then agrees: its :class:`ResizedEnvironment` and the variables of :meth:`WorldView.environ`
+    in its environment.
 
     Args:
         environment: the job's cluster environment now.
-        order: the global ranks that stay, in the order of their new ranks.
-        me: this process's global rank now (in ``order``).
+        order: the members' ranks in the world before (old global ranks, or the ids ``nodes`` is indexed by), in the
+            order of their new ranks.
+        me: this process's entry of ``order``.
         stores: from :func:`host_stores`: the new world's rendezvous store first (open on rank 0 only).
         ports: their ports.
+        nodes: the node of every entry ``order`` refers to.
         backend: the new world's process group backend.
         timeout: its timeout.
         device: this process's device.
-        nodes: the node of every current global rank (default: one node per rank).
 
     Returns:
         The environment of the new world (same address and devices, new ranks) and this process's place in it.
     """
-    dist.destroy_process_group()
-    view = world_view(order, me, nodes if nodes is not None else list(range(max(order) + 1)), ports[0])
+    view = world_view(order, me, nodes, ports[0])
     restart_world(
         address=environment.main_address,
         port=ports[0],
@@ -269,13 +272,12 @@ def rejoin(
         device=device,
         store=stores[0],
     )
+    os.environ.update(view.environ())
     resized = ResizedEnvironment(environment, view.world_size, view.rank, ports[0], view.local_rank, view.node_rank)
     return resized, view
 
 
-def release(
-    address: str, control_port: int, on_release: str, device: torch.device, key: str | None = None
-) -> bytes | None:
+def release(address: str, control_port: int, on_release: str, device: torch.device, key: str) -> bytes | None:
     """End a released process's part in training: it holds no layers any more (it sent them all).
 
     With ``on_release="wait"`` it idles on the control store until rank 0 calls it back (``key`` is set: its value is
@@ -288,7 +290,7 @@ def release(
     if on_release != "wait":
         return None
     store = dist.TCPStore(address, control_port, is_master=False, wait_for_workers=False, timeout=_RELEASED_WAIT)
-    return wait_for_call(store, key or SHUTDOWN_KEY)
+    return wait_for_call(store, key)
 
 
 def wait_for_call(store: dist.TCPStore, key: str, poll: float = 0.2) -> bytes | None:

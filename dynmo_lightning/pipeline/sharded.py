@@ -31,7 +31,12 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
-from dynmo_lightning.pipeline.checkpoint import NAMED_FORMAT, local_optimizer_state, merge_named_optimizer_states
+from dynmo_lightning.pipeline.checkpoint import (
+    NAMED_FORMAT,
+    check_keys,
+    local_optimizer_state,
+    merge_named_optimizer_states,
+)
 from dynmo_lightning.pipeline.layout import PipelineGroup
 
 #: Checkpoint formats: ``"sharded"`` (a DCP directory, every stage writes its part), ``"single"`` (one file gathered
@@ -45,9 +50,17 @@ META = "meta.pt"
 SHARDS_KEY = "dynmo_shards"
 
 
+def _directory(path: str | os.PathLike[str]) -> Path | None:
+    """The complete sharded checkpoint at ``path`` (or at ``<path>.old``, where a swap was interrupted), if any."""
+    for d in (Path(path), Path(os.fspath(path) + ".old")):
+        if (d / META).is_file():
+            return d
+    return None
+
+
 def is_sharded(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a sharded (directory) checkpoint."""
-    return (Path(path) / META).is_file() or (Path(os.fspath(path) + ".old") / META).is_file()
+    return _directory(path) is not None
 
 
 def _tensors(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
@@ -99,7 +112,9 @@ def _replace(tmp: str, target: str) -> None:
 
 def load_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Everything of a sharded checkpoint but its tensors (on every process); marks where the shards are."""
-    d = Path(path) if (Path(path) / META).is_file() else Path(os.fspath(path) + ".old")  # a save was interrupted
+    d = _directory(path)
+    if d is None:
+        raise FileNotFoundError(f"{os.fspath(path)} is not a sharded checkpoint (it has no {META})")
     meta = torch.load(d / META, map_location="cpu", weights_only=False)
     meta[SHARDS_KEY] = os.fspath(d)
     meta["state_dict"] = {}  # each stage reads its own part: load_stage_model
@@ -116,12 +131,8 @@ def load_stage_model(module: nn.Module, shards: str, global_keys: set[str], stri
     metadata = reader.read_metadata().state_dict_metadata
     saved = {k.removeprefix("model."): m for k, m in metadata.items() if k.startswith("model.")}
     local = module.state_dict()
-    missing, unexpected = [k for k in local if k not in saved], [k for k in saved if k not in global_keys]
-    if strict and (missing or unexpected):
-        raise RuntimeError(
-            f"The checkpoint {shards} does not match the model: missing keys {missing[:5]}, unexpected keys "
-            f"{unexpected[:5]}. Was it written for a different model configuration?"
-        )
+    if strict:
+        check_keys(local.keys(), saved.keys(), global_keys)
     # Read into tensors of the saved shapes: a pruned layer takes its shapes from the checkpoint when it loads.
     wanted = {k: _empty_like(saved[k]) for k in local if k in saved}
     dcp.load({"model": wanted}, storage_reader=reader)
@@ -183,8 +194,3 @@ def load_whole(path: str | os.PathLike[str]) -> dict[str, Any]:
     for i, named in enumerate(meta.get("optimizer_states") or []):
         named["state"] = dict(tensors.get("optim", {}).get(str(i), {}).get("state", {}))
     return meta
-
-
-def export_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The unsplit model's ``state_dict`` of a checkpoint (sharded directory or single file), in one process."""
-    return load_whole(path)["state_dict"]
