@@ -161,6 +161,61 @@ def is_probing() -> bool:
     return _probing
 
 
+_stage_memo: dict[str, Any] | None = None
+
+
+@contextlib.contextmanager
+def stage_forward() -> Iterator[dict[str, Any]]:
+    """Mark one forward of a stage's layers on one micro-batch; layers share host-side values in its memo.
+
+    A value read from the device once per stage forward (e.g. an upper bound on the active tokens, which exits only
+    lower) serves every later layer of the stage, so the forward pays one host synchronisation, not one per layer.
+    """
+    global _stage_memo
+    previous, _stage_memo = _stage_memo, {}
+    try:
+        yield _stage_memo
+    finally:
+        _stage_memo = previous
+
+
+def stage_memo() -> dict[str, Any] | None:
+    """The memo of the :func:`stage_forward` in progress (``None`` outside one)."""
+    return _stage_memo
+
+
+def host_value(module: nn.Module, name: str) -> float:
+    """The value of the scalar buffer ``module.<name>`` as a Python float, read from the device only when it changed.
+
+    Thresholds, capacities and densities live in buffers so that they checkpoint and migrate with their layer, but
+    reading a GPU buffer each forward stalls the stream. The value is cached with the buffer object and its version
+    counter (bumped by every in-place write, ``load_state_dict`` included), so a forward reads the device only after
+    something else wrote the buffer; :func:`set_host_value` writes without a read.
+    """
+    buffer = getattr(module, name)
+    cached = module.__dict__.get("_host_values", {}).get(name)
+    if cached is not None and cached[0] is buffer and cached[1] == buffer._version:
+        return cached[2]
+    value = float(buffer)  # the one read after an outside write
+    module.__dict__.setdefault("_host_values", {})[name] = (buffer, buffer._version, value)
+    return value
+
+
+def set_host_value(module: nn.Module, name: str, value: float) -> None:
+    """Write ``value`` into the scalar buffer ``module.<name>`` and remember it (no device read follows)."""
+    buffer = getattr(module, name)
+    with torch.no_grad():
+        buffer.fill_(value)
+    module.__dict__.setdefault("_host_values", {})[name] = (buffer, buffer._version, float(value))
+
+
+def read_once(values: Sequence[Tensor | float]) -> list[float]:
+    """Python numbers of ``values`` (scalar tensors or numbers) with one device read for all the tensors."""
+    tensors = [v for v in values if isinstance(v, Tensor)]
+    read = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(v, Tensor) else float(v) for v in values]
+
+
 def local_layers(module: Any) -> list[tuple[int, nn.Module]]:
     """``(index, layer)`` of the pipeline layers held by this process (all of them without a pipeline strategy).
 
@@ -383,7 +438,8 @@ class PipelineModule(L.LightningModule):
 
     def forward(self, inputs: Any) -> Any:
         """Run all layers in order."""
-        return run_layers(self.pipeline_layers(), inputs)
+        with stage_forward():
+            return run_layers(self.pipeline_layers(), inputs)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         """Single-process step (a pipeline strategy runs its own schedule instead)."""

@@ -364,12 +364,13 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         module, start = self.lightning_module, time.perf_counter()
         params = [p for p in module.parameters() if p.requires_grad]
         step = module.trainer.global_step
+        replicas = self._mesh.dp_group if self._mesh is not None else None
         with self._phase(f"training step {step} (pipeline schedule)"), self.precision_plugin.train_step_context():
-            loss = self._stages.train(inputs, target, params)
+            loss = self._stages.train(inputs, target, params, replicas)
         self.schedule_seconds = time.perf_counter() - start
-        if self._mesh is not None and self._mesh.dp_group is not None:
-            with self._phase(f"training step {step} (gradient all-reduce over replicas)"):
-                self._stages.average_replicas(params, loss, self._mesh.dp_group, self.dp_size)
+        if replicas is not None:
+            with self._phase(f"training step {step} (loss and buffers over replicas)"):
+                self._stages.average_replicas(loss, replicas, self.dp_size)
         self._stages.park_grads(params)  # Lightning zeroes gradients between `training_step` and `backward`
         module.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=first_dim(inputs))
         return loss

@@ -19,14 +19,11 @@ benchmark (``dynmo_lightning.bench.layer_costs``) measured on the device (``--qu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
 import tempfile
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,67 +33,10 @@ import torch
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.bench import layer_costs
 from dynmo_lightning.bench.timeline import PRESETS, Losses
+from dynmo_lightning.callbacks import HostSyncCounter
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.launch import run_ranks
 from dynmo_lightning.models import GPT
-
-SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__")
-
-
-class SyncCounter(L.Callback):
-    """Counts host synchronisations inside training steps (Python-level calls that read a tensor's value)."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda, self.counts, self._n, self._active = cuda, [], 0, False
-        self.optimizer_counts: list[int] = []  # of those, inside the optimizer step (Adam reads each step count)
-        self._caught: Any = None
-        self._at_optimizer = 0
-
-    @contextlib.contextmanager
-    def patched(self) -> Iterator[None]:
-        """Wrap the sync methods of ``torch.Tensor`` for the duration of a run."""
-        originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
-
-        def wrap(fn: Any) -> Any:
-            def counted(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                if self._active:
-                    self._n += 1
-                return fn(t, *args, **kwargs)
-
-            return counted
-
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, wrap(fn))
-        try:
-            yield
-        finally:
-            for name, fn in originals.items():
-                setattr(torch.Tensor, name, fn)
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        """Start counting this step."""
-        self._n, self._active = 0, True
-        if self.cuda:
-            torch.cuda.set_sync_debug_mode("warn")
-            self._caught = warnings.catch_warnings(record=True)
-            self._warned = self._caught.__enter__()
-            warnings.simplefilter("always")
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        """Mark where the optimizer step begins."""
-        self._at_optimizer = self._n
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, b: Any, i: int) -> None:
-        """Stop counting; the step's count (Python calls, plus the CUDA syncs the debug mode reported)."""
-        self._active = False
-        n = self._n
-        self.optimizer_counts.append(n - self._at_optimizer)
-        if self.cuda and self._caught is not None:
-            torch.cuda.set_sync_debug_mode("default")
-            n += sum("synchroniz" in str(w.message) for w in self._warned)
-            self._caught.__exit__(None, None, None)
-            self._caught = None
-        self.counts.append(n)
 
 
 class ProfilerCheck(L.Callback):
@@ -141,7 +81,7 @@ def train(dynamic: str, device: str, steps: int, quick: bool, devices: int = 1) 
     n_blocks = 4 if quick else 8
     model = GPT(n_layer=n_blocks, n_embd=64 if quick else 256, n_head=4, block_size=64 if quick else 256,
                 warmup_steps=0, tie_embeddings=False, init_seed=0)  # fmt: skip
-    losses, syncs, prof = Losses(), SyncCounter(device == "cuda"), ProfilerCheck(step=steps - 2)
+    losses, syncs, prof = Losses(), HostSyncCounter(device == "cuda"), ProfilerCheck(step=steps - 2)
     callbacks: list[L.Callback] = [losses, syncs, prof]
     if dynamic != "none":
         preset = PRESETS[dynamic]

@@ -8,6 +8,7 @@ from dynmo_lightning.callbacks.moe import MixtureOfExperts
 from dynmo_lightning.callbacks.pruning import GradualPruning
 from dynmo_lightning.callbacks.sparse_attention import DynamicSparseAttention
 from dynmo_lightning.callbacks.summary import RunSummary
+from dynmo_lightning.callbacks.syncs import HostSyncCounter
 from dynmo_lightning.callbacks.trace import CostTrace
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "DynMoBalancer",
     "DynamicSparseAttention",
     "GradualPruning",
+    "HostSyncCounter",
     "LayerFreezing",
     "MixtureOfDepths",
     "MixtureOfExperts",

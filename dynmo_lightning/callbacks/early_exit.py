@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from dynmo_lightning.callbacks._dynamics import enable, gather, parts
 from dynmo_lightning.models.routing import ExitGate
+from dynmo_lightning.protocol import read_once, set_host_value
 
 
 class TokenEarlyExit(Callback):
@@ -32,6 +33,9 @@ class TokenEarlyExit(Callback):
         min_layers: blocks every token passes before it may exit.
         exit_every: exits only after every ``exit_every``-th block.
         log_every_n_steps: interval of the exit histogram.
+        sync: how often blocks read the number of active tokens from the device: ``"stage"`` once per stage and
+            micro-batch (bucketed), ``"layer"`` once per block (exact), ``"auto"`` (``"stage"`` on accelerators,
+            ``"layer"`` on CPU, where a read does not stall a device stream).
     """
 
     def __init__(
@@ -42,6 +46,7 @@ class TokenEarlyExit(Callback):
         min_layers: int = 1,
         exit_every: int = 1,
         log_every_n_steps: int = 10,
+        sync: str = "auto",
     ) -> None:
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"dynamics.threshold={threshold} must be in (0, 1]")
@@ -55,6 +60,9 @@ class TokenEarlyExit(Callback):
         self.min_layers = min_layers
         self.exit_every = exit_every
         self.log_every_n_steps = max(1, log_every_n_steps)
+        if sync not in ("auto", "stage", "layer"):
+            raise ValueError(f"dynamics.sync={sync!r} must be 'auto', 'stage' or 'layer'")
+        self.sync = sync
 
     def threshold_at(self, step: int) -> float:
         """λ after ``step`` optimizer steps (above 1: exits off)."""
@@ -78,7 +86,8 @@ class TokenEarlyExit(Callback):
         for i, gate in self._gates(pl_module):
             block = i  # pipeline layer i is block i (the embedding is layer 0)
             gate.may_exit = block >= self.min_layers and block % self.exit_every == 0
-            gate.threshold.fill_(threshold)
+            gate.sync = self.sync
+            set_host_value(gate, "threshold", threshold)
 
     @override
     def on_train_batch_end(
@@ -86,8 +95,10 @@ class TokenEarlyExit(Callback):
     ) -> None:
         if trainer.global_step % self.log_every_n_steps:
             return
-        local = {i: (gate.exited, gate.processed) for i, gate in self._gates(pl_module)}
-        for _, gate in self._gates(pl_module):
+        gates = self._gates(pl_module)
+        counts_ = read_once([c for _, gate in gates for c in (gate.exited, gate.processed)])
+        local = {i: (counts_[2 * n], counts_[2 * n + 1]) for n, (i, _) in enumerate(gates)}
+        for _, gate in gates:
             gate.exited = gate.processed = 0
         counts = gather(local, trainer)
         tokens = max((p for _, p in counts.values()), default=0)  # every token is active at the first gate

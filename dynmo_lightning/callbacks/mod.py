@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from dynmo_lightning.callbacks._dynamics import enable, gather, parts
 from dynmo_lightning.models.routing import DepthRouter
-from dynmo_lightning.protocol import layers_changed
+from dynmo_lightning.protocol import layers_changed, set_host_value
 
 
 class MixtureOfDepths(Callback):
@@ -77,7 +77,7 @@ class MixtureOfDepths(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         capacity = self.capacity_at(trainer.global_step)
         for _, router in parts(pl_module, DepthRouter):
-            router.capacity.fill_(capacity)
+            set_host_value(router, "capacity", capacity)
         routing = capacity < 1.0
         if routing != self._routing:
             # Below capacity 1 the routers join the auxiliary loss, so the carried loss starts to need gradients

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
@@ -157,7 +158,14 @@ class GradualPruning(Callback):
             for name, m in layer.named_modules()
             if isinstance(m, PrunableUnits)
         }
-        scores = {key: (m.unit_kind, m.initial_units, m.unit_scores().float().cpu()) for key, m in modules.items()}
+        # All local scores come to the host in one read (one device synchronisation per pruning step).
+        local = [m.unit_scores().detach().float().flatten() for m in modules.values()]
+        flat = torch.cat(local).tolist() if local else []
+        bounds = list(accumulate((len(t) for t in local), initial=0))
+        scores = {
+            key: (m.unit_kind, m.initial_units, flat[bounds[n] : bounds[n + 1]])
+            for n, (key, m) in enumerate(modules.items())
+        }
         everyone = {key: value for part in all_gather(scores, pl_module.trainer) for key, value in part.items()}
         keep = self._units_to_keep(everyone, target)
         for key, m in modules.items():
@@ -167,12 +175,12 @@ class GradualPruning(Callback):
         changed = {key[0] for key, (_, _, scores) in everyone.items() if len(keep[key]) < len(scores)}
         layers_changed(pl_module.trainer, changed)
 
-    def _units_to_keep(self, scores: dict[Any, tuple[str, int, Tensor]], target: float) -> dict[Any, Tensor]:
+    def _units_to_keep(self, scores: dict[Any, tuple[str, int, list[float]]], target: float) -> dict[Any, Tensor]:
         """Ascending indices of the units each module keeps; the same result on every process."""
         keep: dict[Any, Tensor] = {}
         if self.scope == "layer":
             for key, (_, initial, s) in scores.items():
-                keep[key] = _top(s, max(self.min_units, math.ceil((1 - target) * initial)))
+                keep[key] = torch.tensor(_top(s, max(self.min_units, math.ceil((1 - target) * initial))))
             return keep
         for kind in sorted({kind for kind, _, _ in scores.values()}):
             keys = sorted(k for k, v in scores.items() if v[0] == kind)
@@ -180,12 +188,12 @@ class GradualPruning(Callback):
             budget = max(len(keys) * self.min_units, math.ceil((1 - target) * total))
             # Every module keeps its min_units best units; the rest of the budget goes to the best scores anywhere.
             # Ties break by (module, unit) order, so every process picks the same units.
-            chosen = {k: set(_top(scores[k][2], min(self.min_units, len(scores[k][2]))).tolist()) for k in keys}
+            chosen = {k: set(_top(scores[k][2], min(self.min_units, len(scores[k][2])))) for k in keys}
             rest = sorted(
                 (
-                    (-float(v), n, j)
+                    (-v, n, j)
                     for n, k in enumerate(keys)
-                    for j, v in enumerate(scores[k][2].tolist())
+                    for j, v in enumerate(scores[k][2])
                     if j not in chosen[k]
                 )
             )
@@ -227,10 +235,10 @@ class GradualPruning(Callback):
         self.sparsity = float(state_dict["sparsity"])
 
 
-def _top(scores: Tensor, k: int) -> Tensor:
+def _top(scores: Sequence[float], k: int) -> list[int]:
     """Ascending indices of the ``k`` largest scores (ties to the lower index)."""
-    order = sorted(range(len(scores)), key=lambda j: (-float(scores[j]), j))
-    return torch.tensor(sorted(order[:k]), dtype=torch.long)
+    order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+    return sorted(order[:k])
 
 
 def _prunable_weights(pl_module: pl.LightningModule) -> list[nn.Parameter]:

@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from dynmo_lightning.callbacks._dynamics import enable, gather, parts
 from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention
+from dynmo_lightning.protocol import host_value
 
 
 class DynamicSparseAttention(Callback):
@@ -58,7 +59,7 @@ class DynamicSparseAttention(Callback):
     ) -> None:
         if trainer.global_step % self.log_every_n_steps:
             return
-        local = {i: (float(m.density), m.last_coverage) for i, m in parts(pl_module, SparseCausalSelfAttention)}
+        local = {i: (host_value(m, "density"), m.last_coverage) for i, m in parts(pl_module, SparseCausalSelfAttention)}
         metrics = {}
         for i, (density, coverage) in sorted(gather(local, trainer).items()):
             metrics[f"dynamics/attn_density_layer{i}"] = density

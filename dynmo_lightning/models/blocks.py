@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from dynmo_lightning.models.routing import DepthRouter, ExitGate, active_forward, routed_forward
+from dynmo_lightning.models.routing import DepthRouter, ExitGate, active_bound, active_forward, routed_forward
 from dynmo_lightning.optim import index_select_
 
 
@@ -218,8 +218,9 @@ class Block(nn.Module):
             return self._dense(h)[0]
         if self.depth_router is not None:
             y, extra = routed_forward(self, self.depth_router, h, self._dense)
-        elif self.exit_gate is not None and not bool((active > 0).all()):
-            y, extra = active_forward(self, h, active, self._mlp)
+        elif self.exit_gate is not None:
+            bound, all_active = active_bound(active, self.exit_gate.sync)
+            y, extra = self._dense(h) if all_active else active_forward(self, h, active, self._mlp, bound)
         else:
             y, extra = self._dense(h)
         if self.exit_gate is not None:

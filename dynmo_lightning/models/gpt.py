@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from dynmo_lightning.models.blocks import MLP, Block, CausalSelfAttention, Embedding, Head
 from dynmo_lightning.models.moe import MoEMLP
-from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention
+from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention, adapt_densities
 from dynmo_lightning.protocol import PipelineModule, init_layer
 
 # The parts live in blocks.py; importing them from here keeps working.
@@ -245,6 +245,10 @@ class GPT(PipelineModule):
             reset = getattr(module, "reset_buffers", None)
             if callable(reset):
                 reset()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Adapt the densities of the sparse attention layers this process holds (one device read for all)."""
+        adapt_densities(m for m in self.modules() if isinstance(m, SparseCausalSelfAttention))
 
     def configure_optimizers(self) -> Any:
         """AdamW with two groups (matrices decayed; biases, norms, embeddings not) and optional warm-up/cosine.

@@ -56,6 +56,9 @@ class MoEMLP(nn.Module):
 
     """
 
+    #: Its output for a token depends on the other tokens of the call (capacity): callers pass only real tokens.
+    routes_tokens = True
+
     def __init__(
         self,
         n_embd: int,
@@ -154,19 +157,28 @@ class MoEMLP(nn.Module):
             and the number routed per expert before capacity.
 
         """
-        routed = torch.bincount(top_e, minlength=self.n_experts)
+        # Not bincount: on CUDA it reads the largest index back to size its output.
+        routed = torch.zeros(self.n_experts, dtype=torch.long, device=top_e.device)
+        routed.scatter_add_(0, top_e, torch.ones_like(top_e))
         # Grouped by expert with token order inside each group: gathers read the tokens in memory order.
         order = top_e.argsort(stable=True)
-        if capacity is None or capacity >= int(routed.max()):
-            return order, routed.tolist(), routed
+        # The layer's one host read: each expert's load sizes its matmuls, which is what makes the cost follow the
+        # routing (a grouped GEMM over device-side offsets would avoid it).
+        loads = routed.tolist()
+        if capacity is None or capacity >= max(loads):
+            return order, loads, routed
         # Priority within an expert: higher probability first, ties to the earlier assignment (stable sorts).
         by_prob = top_p.argsort(descending=True, stable=True)
         by_priority = by_prob[top_e[by_prob].argsort(stable=True)]
         starts = routed.cumsum(0) - routed
         rank = torch.empty_like(by_priority)
         rank[by_priority] = torch.arange(len(by_priority), device=top_e.device) - starts[top_e[by_priority]]
-        order = order[rank[order] < capacity]
-        return order, routed.clamp(max=capacity).tolist(), routed
+        # Keep each expert's first ``capacity`` by priority; the kept count is known on the host, so no boolean
+        # mask (a read of its size) is needed: sort the kept assignments first within the order and cut.
+        kept = [min(n, capacity) for n in loads]
+        dropped = rank[order] >= capacity
+        order = order[dropped.to(torch.int8).argsort(stable=True)[: sum(kept)]]
+        return order, kept, routed
 
     def _record(self, kept: list[int], drop_fraction: float) -> None:
         # Shape-probing passes are not real steps: they must not overwrite what a logger reads.

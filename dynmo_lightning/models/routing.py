@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dynmo_lightning.protocol import is_probing
+from dynmo_lightning.protocol import host_value, is_probing, set_host_value, stage_memo
 
 
 class ExitGate(nn.Module):
@@ -38,31 +38,69 @@ class ExitGate(nn.Module):
 
     ``threshold`` is a buffer (checkpointed, migrates); above 1 nothing can exit. ``may_exit`` says whether exits are
     allowed after this block at all (``min_layers`` / ``exit_every`` of the callback). ``exited`` / ``processed``
-    accumulate token counts for the exit histogram until the callback reads and resets them.
+    accumulate token counts (tensors on the device, never read in the step) for the exit histogram until the callback
+    reads and resets them. ``sync`` says how often blocks read the number of active tokens from the device (see
+    :func:`active_bound`).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("threshold", torch.tensor(2.0))
         self.may_exit = False
-        self.exited = 0
-        self.processed = 0
+        self.sync = "auto"
+        self.exited: Tensor | int = 0
+        self.processed: Tensor | int = 0
 
     def reset_buffers(self) -> None:
         """No exits until a schedule sets a threshold (also after materialisation from the meta device)."""
-        self.threshold.fill_(2.0)
+        set_host_value(self, "threshold", 2.0)
 
     def forward(self, before: Tensor, after: Tensor, active: Tensor) -> Tensor:
         """The new active mask (float 1/0, ``(B, T)``) after a block turned ``before`` into ``after``."""
-        if not self.may_exit or float(self.threshold) > 1.0:
+        if not self.may_exit or host_value(self, "threshold") > 1.0:
             return active
+        memo = stage_memo()
+        if memo is not None and "active_bound" in memo:
+            memo["active_bound"] = (memo["active_bound"][0], False)  # tokens may leave: still a bound, not all active
         with torch.no_grad():
             saturated = F.cosine_similarity(before, after, dim=-1) >= self.threshold
             leaving = saturated & (active > 0)
             if not is_probing():
-                self.exited += int(leaving.sum())
-                self.processed += int((active > 0).sum())
+                self.exited = self.exited + leaving.sum()
+                self.processed = self.processed + (active > 0).sum()
             return active * (~leaving).to(active.dtype)
+
+
+#: Active-token bounds are rounded up to a multiple of ``T // EXIT_BUCKETS`` when read once per stage, so that the
+#: gathered shapes (and the kernels and allocations that follow them) repeat from micro-batch to micro-batch.
+EXIT_BUCKETS = 16
+
+
+def active_bound(active: Tensor, sync: str = "auto") -> tuple[int, bool]:
+    """The most active tokens of any sequence (an upper bound) and whether every token is active.
+
+    One host read (one synchronisation on an accelerator) of both numbers. With ``sync="stage"`` (the default on
+    accelerators under ``"auto"``) the read happens once per stage forward (:func:`~dynmo_lightning.protocol.
+    stage_forward`) and later blocks of the stage reuse the bound, which stays valid because tokens only exit; it is
+    rounded up to a bucket (:data:`EXIT_BUCKETS`). With ``sync="layer"`` (``"auto"`` on CPU, where a read does not
+    stall a device stream) every block reads its exact count, so it computes only the tokens still active.
+    """
+    if sync not in ("auto", "stage", "layer"):
+        raise ValueError(f"dynamics.sync={sync!r} must be 'auto', 'stage' or 'layer'")
+    per_stage = sync == "stage" or (sync == "auto" and active.device.type != "cpu")
+    memo = stage_memo()
+    if per_stage and memo is not None and "active_bound" in memo:
+        return memo["active_bound"]
+    T = active.shape[1]
+    counts = (active > 0).sum(1)
+    most, least = torch.stack([counts.max(), counts.min()]).tolist()
+    if per_stage:
+        step = max(1, T // EXIT_BUCKETS)
+        most = min(T, -(-most // step) * step)
+    bound = (most, least == T)
+    if memo is not None:
+        memo["active_bound"] = bound
+    return bound
 
 
 class DepthRouter(nn.Module):
@@ -86,11 +124,11 @@ class DepthRouter(nn.Module):
 
     def reset_buffers(self) -> None:
         """Start from the configured capacity (also after materialisation from the meta device)."""
-        self.capacity.fill_(self.initial_capacity)
+        set_host_value(self, "capacity", self.initial_capacity)
 
     def k(self, seq_len: int) -> int:
-        """Tokens per sequence the block processes."""
-        return max(1, min(seq_len, math.ceil(float(self.capacity) * seq_len)))
+        """Tokens per sequence the block processes (the capacity is read from the device only after it changed)."""
+        return max(1, min(seq_len, math.ceil(host_value(self, "capacity") * seq_len)))
 
 
 def attend_queries(attn: nn.Module, x: Tensor, pos: Tensor) -> Tensor:
@@ -113,17 +151,21 @@ def attend_queries(attn: nn.Module, x: Tensor, pos: Tensor) -> Tensor:
 
 
 def active_forward(
-    block: nn.Module, h: Tensor, active: Tensor, mlp: Callable[[Tensor], tuple[Tensor, Tensor | None]]
+    block: nn.Module,
+    h: Tensor,
+    active: Tensor,
+    mlp: Callable[[Tensor], tuple[Tensor, Tensor | None]],
+    bound: int,
 ) -> tuple[Tensor, Tensor | None]:
     """Run ``block`` on its active tokens only (``active`` ``(B, T)`` float 1/0); exited tokens pass unchanged.
 
-    Returns the new hidden states and the MLP's auxiliary loss (MoE), if any. Cost falls with the largest number of
-    active tokens in any sequence of the batch (sequences are padded to it).
+    ``bound`` is at least the largest number of active tokens in any sequence (:func:`active_bound`): sequences are
+    padded to it, so the cost falls with it. Returns the new hidden states and the MLP's auxiliary loss (MoE), if any.
     """
     C = h.shape[-1]
     mask = active > 0
     counts = mask.sum(1)
-    A = int(counts.max())
+    A = bound
     if A == 0:
         return h, None
     # Active positions first (in order), padded with inactive ones whose results are discarded.
@@ -131,9 +173,16 @@ def active_forward(
     valid = torch.arange(A, device=h.device)[None, :] < counts[:, None]
     index = pos[..., None].expand(-1, -1, C)
     x = h.gather(1, index) + attend_queries(block.attn, block.ln1(h), pos)
-    flat = x[valid]
-    delta, aux = mlp(block.ln2(flat))
-    x = x.masked_scatter(valid[..., None], flat + delta)
+    if h.device.type == "cpu" or getattr(block.mlp, "routes_tokens", False):
+        # Exactly the active tokens: a boolean gather, whose size is a host read on an accelerator (free on CPU;
+        # needed by an MoE MLP, whose routing must see only real tokens).
+        flat = x[valid]
+        delta, aux = mlp(block.ln2(flat))
+        x = x.masked_scatter(valid[..., None], flat + delta)
+    else:
+        # A row-wise MLP on the padded rows too: no read, at the cost of the padding up to the bound.
+        delta, aux = mlp(block.ln2(x))
+        x = x + delta
     x = torch.where(valid[..., None], x, h.gather(1, index))
     return h.scatter(1, index, x), aux
 
@@ -146,7 +195,7 @@ def routed_forward(
     Returns the new hidden states and the auxiliary loss (the block's own, plus the causal predictor's BCE).
     """
     B, T, C = h.shape
-    if float(router.capacity) >= 1.0:
+    if host_value(router, "capacity") >= 1.0:
         return dense(h)  # every token routed: exactly the dense block
     # Below capacity 1 the router and its predictor always join the loss (even if k rounds up to T), so whether the
     # carried auxiliary loss needs gradients depends on the capacity alone — stage metadata stays valid.

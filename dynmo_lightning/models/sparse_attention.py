@@ -11,11 +11,12 @@ decreases with ``i``, so query blocks with equal ``k_i`` form contiguous runs, e
 When every causal block is kept (``density=1``, a single block, or rounding keeps all), the layer runs exactly
 :meth:`CausalSelfAttention.forward`, so its output is bit-identical to the dense layer with the same weights.
 
-Adaptive density (``target_coverage`` set, training, not :func:`~dynmo_lightning.protocol.is_probing`): after each
-forward the layer estimates *coverage*, the share of the exact causal attention mass that falls in its kept blocks,
-from one sampled query row per query block (the block's last row, which sees all of its causal keys), averaged over
-rows, heads and batch; that costs ``1 / attn_block`` of dense attention and runs without autograd. Then
-``density += adapt_rate * (target_coverage - coverage)``, clamped to ``[min_density, 1]``: more blocks when attention
+Adaptive density (``target_coverage`` set, training, not :func:`~dynmo_lightning.protocol.is_probing`): each forward
+estimates *coverage*, the share of the exact causal attention mass that falls in its kept blocks, from one sampled
+query row per query block (the block's last row, which sees all of its causal keys), averaged over rows, heads and
+batch; that costs ``1 / attn_block`` of dense attention, runs without autograd and stays on the device. After the
+training step, :func:`adapt_densities` reads the step's coverages once and moves each density by
+``adapt_rate * (target_coverage - coverage)`` per forward, clamped to ``[min_density, 1]``: more blocks when attention
 spreads out, fewer when it concentrates, so densities differ across layers and drift during training.
 
 ``density`` is a persistent buffer, so it is checkpointed and migrates with the layer. The parameter names are those
@@ -26,6 +27,7 @@ of :class:`CausalSelfAttention`: a dense checkpoint loads strictly into this cla
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dynmo_lightning.models.blocks import CausalSelfAttention
-from dynmo_lightning.protocol import is_probing
+from dynmo_lightning.protocol import host_value, is_probing, read_once, set_host_value
 
 
 class SparseCausalSelfAttention(CausalSelfAttention):
@@ -55,8 +57,8 @@ class SparseCausalSelfAttention(CausalSelfAttention):
 
     Attributes:
         density: the current density (a scalar float32 buffer).
-        last_coverage: coverage measured in the last adaptive training forward (1.0 when every block was kept;
-            ``nan`` until measured).
+        last_coverage: mean coverage of the last adapted step's forwards (1.0 when every block was kept; ``nan``
+            until measured).
         last_block_fraction: share of the causal key blocks computed in the last forward (the layer's relative cost).
 
     Raises:
@@ -95,18 +97,20 @@ class SparseCausalSelfAttention(CausalSelfAttention):
         self.register_buffer("density", torch.tensor(density, dtype=torch.float32))
         self.last_coverage = math.nan
         self.last_block_fraction = 1.0
+        # Coverage measured by this step's forwards, summed on the device until :meth:`adapt` reads it once.
+        self._coverage_sum: Tensor | float = 0.0
+        self._coverage_n = 0
 
     def reset_buffers(self) -> None:
         """Restore the initial density (e.g. after the layer was materialised from the meta device)."""
-        with torch.no_grad():
-            self.density.fill_(self.initial_density)
+        set_host_value(self, "density", self.initial_density)
 
     # The protocol's default initialisation calls every submodule's reset_parameters (the weights live in qkv/proj).
     reset_parameters = reset_buffers
 
     def blocks_kept(self, n_blocks: int) -> list[int]:
         """Key blocks ``k_i`` kept by each of ``n_blocks`` query blocks at the current density."""
-        d = float(self.density)
+        d = host_value(self, "density")
         return [max(1, min(i + 1, math.floor(d * (i + 1) + 0.5))) for i in range(n_blocks)]
 
     def forward(self, x: Tensor) -> Tensor:
@@ -147,7 +151,7 @@ class SparseCausalSelfAttention(CausalSelfAttention):
             start = end
         y = torch.cat(outputs, 2).reshape(B, H, T, D)
 
-        coverage = math.nan
+        coverage: Tensor | float = math.nan
         if self._adapting():
             with torch.no_grad():
                 coverage = _coverage(q, k, rank, kept, blk)
@@ -157,17 +161,18 @@ class SparseCausalSelfAttention(CausalSelfAttention):
     def _adapting(self) -> bool:
         return self.target_coverage is not None and self.training and not is_probing()
 
-    def _adapt(self, coverage: float, block_fraction: float) -> None:
-        """Record the last forward's statistics and move the density towards the target coverage."""
+    def _adapt(self, coverage: Tensor | float, block_fraction: float) -> None:
+        """Record the last forward's statistics; sum its coverage (on the device) for this step's :meth:`adapt`."""
         if is_probing():
             return
         self.last_block_fraction = block_fraction
-        if not self._adapting():
-            return
-        self.last_coverage = coverage
-        step = self.adapt_rate * (self.target_coverage - coverage)
-        with torch.no_grad():
-            self.density.copy_((self.density + step).clamp(self.min_density, 1.0))
+        if self._adapting():
+            self._coverage_sum = self._coverage_sum + coverage
+            self._coverage_n += 1
+
+    def adapt(self) -> None:
+        """Move the density towards the target coverage after a training step (see :func:`adapt_densities`)."""
+        adapt_densities([self])
 
     def _load_from_state_dict(
         self,
@@ -189,8 +194,28 @@ class SparseCausalSelfAttention(CausalSelfAttention):
     def extra_repr(self) -> str:
         """Settings shown in the module's repr."""
         return (
-            f"attn_block={self.attn_block}, density={float(self.density):.3f}, target_coverage={self.target_coverage}"
+            f"attn_block={self.attn_block}, density={host_value(self, 'density'):.3f}, "
+            f"target_coverage={self.target_coverage}"
         )
+
+
+def adapt_densities(layers: Iterable[SparseCausalSelfAttention]) -> None:
+    """Apply the step's density updates of ``layers`` with one device read for all of them.
+
+    Each layer's density moves by ``adapt_rate * sum_f (target_coverage - coverage_f)`` over the step's adaptive
+    forwards ``f`` (one per micro-batch), clamped to ``[min_density, 1]``, and ``last_coverage`` becomes their mean.
+    Updating once per step (not after every forward) keeps the density, and so the layer's shapes and cost, the same
+    for all micro-batches of a step, and costs one host synchronisation per stage and step instead of one per layer
+    and micro-batch. Models call it after each training step (``GPT`` does in ``on_train_batch_end``).
+    """
+    pending = [m for m in layers if m._coverage_n]
+    for m, total in zip(pending, read_once([m._coverage_sum for m in pending]), strict=True):
+        n, target = m._coverage_n, m.target_coverage
+        assert target is not None  # only adaptive layers measure coverage
+        m.last_coverage = total / n
+        density = host_value(m, "density") + m.adapt_rate * (n * target - total)
+        set_host_value(m, "density", min(1.0, max(m.min_density, density)))
+        m._coverage_sum, m._coverage_n = 0.0, 0
 
 
 def _rank_earlier_blocks(q_pooled: Tensor, k_pooled: Tensor) -> Tensor:
@@ -223,7 +248,7 @@ def _runs(kept: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _coverage(q: Tensor, k: Tensor, rank: Tensor, kept: list[int], blk: int) -> float:
+def _coverage(q: Tensor, k: Tensor, rank: Tensor, kept: list[int], blk: int) -> Tensor:
     """Share of exact causal attention mass inside the kept blocks, from the last query row of every block.
 
     Args:
@@ -246,4 +271,4 @@ def _coverage(q: Tensor, k: Tensor, rank: Tensor, kept: list[int], blk: int) -> 
     position.scatter_(-1, rank, torch.arange(n, device=q.device).expand_as(rank).contiguous())
     earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
     in_kept = torch.eye(n, dtype=torch.bool, device=q.device) | (earlier & (position < (n_kept - 1)[:, None]))
-    return float((mass * in_kept).sum(-1).mean())
+    return (mass * in_kept).sum(-1).mean()

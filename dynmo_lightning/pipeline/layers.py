@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from dynmo_lightning.profiling import LayerProfiler
-from dynmo_lightning.protocol import is_probing, run_layers
+from dynmo_lightning.protocol import is_probing, run_layers, stage_forward
 
 
 class RemoteLayer(nn.Module):
@@ -57,10 +57,11 @@ class StageModule(nn.Module):
     def forward(self, *args: object) -> object:
         """Run the stage's layers on the received activations."""
         x = args if len(args) != 1 else args[0]
-        if self.profiler is not None and self.profiler.active and not is_probing():
-            out = self.profiler.run(self.layers, self.first_index, x)
-        else:
-            out = run_layers(self.layers, x)
+        with stage_forward():
+            if self.profiler is not None and self.profiler.active and not is_probing():
+                out = self.profiler.run(self.layers, self.first_index, x)
+            else:
+                out = run_layers(self.layers, x)
         # p2p sends need dense, contiguous tensors; a layer may legally return a view.
         if isinstance(out, tuple):
             return tuple(t.contiguous() for t in out)

@@ -3,7 +3,8 @@
 Each stage holds only its own layers, so every quantity of the whole model is a collective: the loss (on the last
 stage, shared with all), the gradient norm for clipping and the parameter norm (summed over stages, tied parameters
 once), the layer costs the balancer plans from (gathered from every stage, averaged over replicas). Replicas train
-on different data: gradients, logged losses and the buffers layers adapt to their data are averaged over them.
+on different data: logged losses and the buffers layers adapt to their data are averaged over them here (gradients
+are averaged by DDP during the last micro-batch's backward, see ``PipelineRuntime``).
 """
 
 from __future__ import annotations
@@ -31,29 +32,6 @@ def share_loss(loss: Tensor | None, pipe: PipelineGroup, last_rank: int, device:
     out = out.to(device)
     dist.broadcast(out, src=pipe.global_rank(last_rank), group=pipe.group)
     return out
-
-
-def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup, n: int, device: torch.device) -> None:
-    """Average gradients over ``n`` replicas (``group``), as DDP does: the mean over the global batch.
-
-    A parameter may have no gradient in one replica and one in another (an expert no token of this replica was
-    routed to): it gets a zero gradient where it has none, unless it has none anywhere (then it stays ``None``, as
-    in a single process). One flat all-reduce per dtype.
-    """
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
-    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for p, anywhere in zip(params, has.tolist(), strict=True):
-        if anywhere:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for tensors in by_dtype.values():
-        flat = torch._utils._flatten_dense_tensors(tensors)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(n)
-        for g, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors), strict=True):
-            g.copy_(reduced)
 
 
 def average_loss(loss: Tensor, group: dist.ProcessGroup, n: int) -> None:

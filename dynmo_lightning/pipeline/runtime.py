@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from torch.nn.parallel import DistributedDataParallel
 
 from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
 from dynmo_lightning.pipeline.layout import PipelineGroup
@@ -126,6 +127,10 @@ class PipelineRuntime:
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self._built: dict[bool, tuple[Any, list[PipelineStage]]] = {}
+        #: Data-parallel replicas of this pipeline (their process group), set by the strategy; ``None``: one replica.
+        self.replicas: dist.ProcessGroup | None = None
+        # What the training stages were wrapped for: the replica group and each stage's trainable parameters.
+        self._wrapped_for: tuple[Any, list[list[int]]] | None = None
 
     # ------------------------------------------------------------------------------------------------------------
     @property
@@ -189,6 +194,8 @@ class PipelineRuntime:
         merged last-stage output.
         """
         inputs = as_tuple(inputs)
+        if train and train in self._built and self._wrapped_for != self._wrap_key():
+            del self._built[train]  # the replicas or the trainable parameters changed: new DDP wrappers
         if train not in self._built:
             self._built[train] = self._build(inputs, target, train)
         schedule, _ = self._built[train]
@@ -212,7 +219,7 @@ class PipelineRuntime:
             metas = self._probe(inputs, train)
             stages = [
                 PipelineStage(
-                    module,
+                    self._wrap(module) if train else module,
                     stage,
                     self.plan.n_stages,
                     self.device,
@@ -224,12 +231,40 @@ class PipelineRuntime:
                     self.stage_modules(), self.local_stages, metas, strict=True
                 )
             ]
+        if train:
+            self._wrapped_for = self._wrap_key()
         cls = SCHEDULES[self.schedule_name]
         if cls is ScheduleInterleaved1F1B:
             schedule = cls(stages, self.n_microbatches, loss_fn=self.loss_fn, scale_grads=True)
         else:
             schedule = cls(stages[0], self.n_microbatches, loss_fn=self.loss_fn, scale_grads=True)
         return schedule, stages
+
+    def _wrap(self, module: StageModule) -> nn.Module:
+        """The stage module in DDP over the replicas, so that gradients are averaged while backward runs.
+
+        The schedule runs every micro-batch but the last under ``no_sync`` and lets DDP's reducer all-reduce bucket by
+        bucket during the last backward (``PipelineStage.backward_maybe_with_nosync``), overlapping communication with
+        the rest of that backward, as DDP does for a single-stage model. Parameters a replica did not use (an expert
+        no token was routed to) count as zero there, as ``find_unused_parameters`` does, including those used only in
+        earlier micro-batches. Buffers are not broadcast (replicas average the ones they adapt, see ``reduce``), and
+        the replicas already hold equal weights, so the wrapper does not broadcast them either.
+        """
+        if self.replicas is None or not any(p.requires_grad for p in module.parameters()):
+            return module  # nothing to average (one replica, or a stage whose layers are all frozen)
+        return DistributedDataParallel(
+            module,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            process_group=self.replicas,
+            broadcast_buffers=False,
+            find_unused_parameters=True,
+            init_sync=False,
+        )
+
+    def _wrap_key(self) -> tuple[Any, list[list[int]]]:
+        """The replica group and the ids of each local stage's trainable parameters (what a DDP wrapper holds)."""
+        layers = [[self.slots.get(i) for i in range(*self.plan.bounds(stage))] for stage in self.local_stages]
+        return self.replicas, [[id(p) for layer in ls for p in layer.parameters() if p.requires_grad] for ls in layers]
 
     def _probe(self, inputs: tuple[Any, ...], train: bool) -> list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]:
         """Push the first micro-batch through all stages in order and record each local stage's tensor metadata.

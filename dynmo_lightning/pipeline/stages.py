@@ -126,20 +126,22 @@ class LocalStages:
         return self.runtime.pipe
 
     # ----------------------------------------------------------------------------------------------------------------
-    def train(self, inputs: Any, target: Tensor, params: Sequence[Tensor]) -> Tensor:
+    def train(self, inputs: Any, target: Tensor, params: Sequence[Tensor], replicas: Any = None) -> Tensor:
         """Forward and backward of every micro-batch into the ``.grad`` of ``params``; the loss on every process.
 
-        The copies of a tie held by several stages get the sum of their gradients, as the unsplit model's one tensor.
+        With data-parallel ``replicas`` (their process group), gradients are averaged over them during the last
+        micro-batch's backward (see ``PipelineRuntime._wrap``). The copies of a tie held by several stages get the sum
+        of their gradients, as the unsplit model's one tensor.
         """
         for p in params:
             p.grad = None
+        self.runtime.replicas = replicas
         result = self.runtime.step(inputs, target, train=True)
         self.ties.reduce_grads(self.slots, self.plan, self.pipe.rank)
         return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.device)
 
-    def average_replicas(self, params: Sequence[Tensor], loss: Tensor, group: Any, n: int) -> None:
-        """Average gradients, the loss and data-adapted buffers over ``n`` replicas (``group``), as DDP does."""
-        reduce.average_gradients(params, group, n, self.device)
+    def average_replicas(self, loss: Tensor, group: Any, n: int) -> None:
+        """Average the logged loss and data-adapted buffers over ``n`` replicas (gradients: see :meth:`train`)."""
         reduce.average_loss(loss, group, n)
         reduce.sync_replica_buffers(self.slots, group, n)
 

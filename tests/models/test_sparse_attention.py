@@ -140,18 +140,21 @@ def test_adaptive_density_moves_towards_target():
     # Everything kept: coverage 1 > target, so density falls by adapt_rate * (target - 1).
     m = _sparse(attn_block=16, density=1.0, target_coverage=0.5, adapt_rate=0.1).train()
     m(x)
+    m.adapt()
     assert float(m.density) == pytest.approx(0.95)
     assert m.last_coverage == 1.0
 
     # Near-uniform attention at init: a low density covers little mass, so density rises.
     m = _sparse(attn_block=16, density=0.2, target_coverage=0.99).train()
     m(x)
+    m.adapt()
     assert 0 < m.last_coverage < 0.99
     assert float(m.density) == pytest.approx(0.2 + 0.1 * (0.99 - m.last_coverage))
 
     # Clamped at min_density.
     m = _sparse(attn_block=16, density=0.1, target_coverage=0.01, min_density=0.08, adapt_rate=1.0).train()
     m(x)
+    m.adapt()
     assert float(m.density) == pytest.approx(0.08)
 
     # Repeated steps converge: density keeps moving in the direction that shrinks the coverage error.
@@ -159,8 +162,19 @@ def test_adaptive_density_moves_towards_target():
     densities = []
     for _ in range(6):
         m(x)
+        m.adapt()
         densities.append(float(m.density))
     assert densities[-1] < 1.0 and abs(m.last_coverage - 0.6) < 0.4
+
+    # Two forwards in one step (two micro-batches): one update, by the summed coverage errors, and the mean coverage.
+    m = _sparse(attn_block=16, density=0.2, target_coverage=0.99).train()
+    m(x)
+    m(x)
+    assert float(m.density) == pytest.approx(0.2), "the density stays fixed within a step"
+    coverage = float(m._coverage_sum) / 2
+    m.adapt()
+    assert m.last_coverage == pytest.approx(coverage)
+    assert float(m.density) == pytest.approx(0.2 + 0.1 * 2 * (0.99 - coverage))
 
 
 def test_coverage_matches_exact_attention_mass_of_sampled_rows():
@@ -178,6 +192,7 @@ def test_coverage_matches_exact_attention_mass_of_sampled_rows():
     rows = slice(blk - 1, None, blk)
     expected = (probs[:, :, rows] * mask[:, :, rows]).sum(-1).mean()
     m(x)
+    m.adapt()
     assert m.last_coverage == pytest.approx(float(expected), abs=1e-5)
 
 

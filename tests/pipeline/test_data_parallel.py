@@ -28,6 +28,16 @@ GROW = [
     "balancer.min_gain=1.0",
 ]
 DP2 = ["strategy.data_parallel_size=2", "data.batch_size=8"]  # the same global batch of 16 as one replica
+# 16 experts in every block for 64 tokens per micro-batch and replica: experts go unused in one replica (or in the
+# last micro-batch only) while the other uses them. Dropless, no load-balancing loss (a product of per-call means):
+# routing is per token, so two replicas of half the batch compute what one replica does.
+MOE = [
+    "dynamics=moe",
+    "dynamics.n_experts=16",
+    "dynamics.every=1",
+    "dynamics.capacity_factor=null",
+    "dynamics.aux_loss_coef=0",
+]
 # Tied embeddings, and a new random partition every 2 steps: every replica migrates (alike) and keeps its tie exact.
 TIED_RANDOM = [
     "model.tie_embeddings=true",
@@ -48,6 +58,7 @@ def runs(tmp_path_factory):
             d / "pp2": STEPS,
             d / "pp2-tied": [*STEPS, *TIED_RANDOM],
             d / "pp2-freeze": [*FREEZE, "trainer.max_steps=20"],
+            d / "pp2-moe": [*STEPS, *MOE],
         },
     )
     # The growing run is last: it rebuilds the world of these processes.
@@ -58,6 +69,7 @@ def runs(tmp_path_factory):
             d / "dp2-tied": [*STEPS, *DP2, *TIED_RANDOM],
             # densities adapt to each replica's data: the replicas must still end identical
             d / "dp2-sparse": [*STEPS, *DP2, "dynamics=sparse_attention"],
+            d / "dp2-moe": [*STEPS, *DP2, *MOE],
             d / "grow": [*FREEZE, *GROW, "trainer.max_steps=20"],
         },
         inject_costs=True,  # when and where the repack happens must not depend on this machine's timings
@@ -97,6 +109,19 @@ def test_replicas_stay_identical_when_layers_adapt_to_their_data(runs):
     assert summary["replicas_in_sync"] and summary["replicas_end"] == 2
     density = runs["dp2-sparse"].checkpoint["state_dict"]["blocks.0.attn.density"]
     assert float(density) < 1.0  # the density did adapt
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_experts_one_replica_did_not_use_are_averaged_as_zero(runs):
+    ref, dp = runs["pp2-moe"], runs["dp2-moe"]
+    assert dp.summary["replicas_in_sync"]
+    assert_close_losses(dp.summary["losses"], ref.summary["losses"])
+    # Each replica sums its own tokens' expert gradients (a different association of the same terms): the model is
+    # equal within 1e-5, and no tensor is off by more than float noise through Adam (an expert whose gradient was
+    # not averaged would be off by about the learning rate).
+    assert_close_model(dp.checkpoint["state_dict"], ref.checkpoint["state_dict"])
+    assert_close_params(dp.checkpoint["state_dict"], ref.checkpoint["state_dict"], rtol=1e-4)
 
 
 @pytest.mark.slow
