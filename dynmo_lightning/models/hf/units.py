@@ -18,7 +18,7 @@ running unchanged, and cheaper.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,10 @@ class Units(nn.Module):
         super().__init__()
         self.__dict__["target"] = target
         self.initial_units = self.n_units()
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The target's parameters (where callers find the units' device); the module tree never lists them here."""
+        return self.target.parameters(recurse)
 
     def n_units(self) -> int:
         """Units left."""

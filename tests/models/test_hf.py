@@ -1,0 +1,289 @@
+"""Hugging Face causal LMs through ``from_hf``: exact pipeline training, the dynamics on their layers, HF export.
+
+The reference for pipeline runs is plain single-device Lightning training the Hugging Face model through its own
+``forward`` (tests/hf_models.py); no test downloads anything (models are built from configs, randomly initialised).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from _helpers import assert_close_losses, assert_close_params, launch_script  # noqa: E402
+from hf_models import CONFIGS, fit, hf_model, hf_state, pipeline_model, reference  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from dynmo_lightning.callbacks import GradualPruning, MixtureOfDepths, TokenEarlyExit  # noqa: E402
+from dynmo_lightning.cli import CONF_DIR, export  # noqa: E402
+from dynmo_lightning.models.hf import from_hf, shift_labels  # noqa: E402
+from dynmo_lightning.pipeline.sharded import load_whole  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent.parent / "_hf_script.py"
+FAMILIES = ["llama", "gpt2"]
+
+
+def _ids(batch: int = 2, seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The pipeline layers are the Hugging Face model
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layers_give_the_hf_models_own_logits_and_loss(family, impl):
+    module = from_hf(CONFIGS[family], seed=0, attn_implementation=impl)
+    hf = hf_model(family)
+    hf.config._attn_implementation = impl
+    x = _ids()
+    out = hf(input_ids=x, labels=x)
+    logits = module(x)
+    assert torch.equal(logits, out.logits)
+    split = module.pipeline_split_batch({"input_ids": x})  # HF-style labels, shifted as HF shifts them
+    assert torch.equal(split[1], shift_labels(x)) and split[1][:, -1].eq(-100).all()
+    assert torch.equal(module.pipeline_loss(logits, split[1]), out.loss)
+    assert module.tied == (family == "gpt2")
+
+
+def test_from_hf_refuses_what_it_cannot_split():
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="model_type='bert' is not supported"):
+        from_hf(AutoConfig.for_model("bert", vocab_size=64, hidden_size=32, num_hidden_layers=1))
+    with pytest.raises(ValueError, match="attn_implementation='flex_attention' is not supported"):
+        from_hf(CONFIGS["llama"], attn_implementation="flex_attention")
+    module = pipeline_model("llama")
+    with pytest.raises(ValueError, match="padding"):
+        module.pipeline_split_batch({"input_ids": _ids(), "attention_mask": torch.zeros(2, 16)})
+    windowed = from_hf({**CONFIGS["llama"], "model_type": "mistral", "sliding_window": 8})
+    with pytest.raises(ValueError, match="sliding attention window 8"):
+        windowed(_ids())
+    with pytest.raises(ValueError, match="cannot both act"):
+        module.configure_dynamics(early_exit=True, mod_every=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Structured pruning
+# ---------------------------------------------------------------------------------------------------------------------
+def _flops(layer: torch.nn.Module, h: torch.Tensor) -> int:
+    with FlopCounterMode(display=False) as counter:
+        layer(h)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pruning_shrinks_flops_and_equals_the_masked_dense_layer(family):
+    module = pipeline_model(family)
+    layer = module.layers[1]
+    h = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+    neurons = torch.tensor([0, 3, 5, *range(10, 40)])
+    groups = torch.tensor([1]) if family == "llama" else torch.tensor([0, 2, 3])  # KV group 1 = query heads 2, 3
+    # The masked dense layer: pruned units contribute nothing (their output-projection columns/rows zeroed).
+    with torch.no_grad():
+        if family == "llama":
+            attn, mlp = layer.layer.self_attn, layer.layer.mlp
+            down, o = mlp.down_proj.weight, attn.o_proj.weight
+            down[:, [j for j in range(down.shape[1]) if j not in neurons]] = 0
+            o[:, [c for c in range(32) if c // 16 not in groups]] = 0  # head_dim 8, 2 query heads per group
+        else:
+            attn, mlp = layer.layer.attn, layer.layer.mlp
+            proj, o = mlp.c_proj.weight, attn.c_proj.weight
+            proj[[j for j in range(proj.shape[0]) if j not in neurons]] = 0
+            o[[c for c in range(32) if c // 8 not in groups]] = 0
+        dense = layer(h)
+    before = _flops(layer, h)
+    layer.mlp_units.keep_units(neurons)
+    layer.attn_units.keep_units(groups)
+    assert layer.mlp_units.n_units() == len(neurons) and layer.attn_units.n_units() == len(groups)
+    with torch.no_grad():
+        pruned = layer(h)
+    torch.testing.assert_close(pruned, dense, rtol=1e-5, atol=1e-6)
+    after = _flops(layer, h)
+    assert after < 0.7 * before, (after, before)
+
+
+def test_gradual_pruning_prunes_llama_units_and_a_pruned_checkpoint_loads(tmp_path):
+    module = pipeline_model("llama")
+    pruning = GradualPruning(final_sparsity=0.5, start_step=2, end_step=8, every_n_steps=2)
+    trainer, losses = fit(module, callbacks=[pruning])
+    assert all(torch.isfinite(torch.tensor(losses)))
+    widths = [layer.mlp_units.n_units() for layer in module.layers]
+    groups = [layer.attn_units.n_units() for layer in module.layers]
+    assert sum(widths) == 128 and sum(groups) == 4 and min(widths) < max(widths)
+    for layer in module.layers:  # optimizer state sliced with the weights
+        w = layer.layer.mlp.gate_proj.weight
+        assert trainer.optimizers[0].state[w]["exp_avg"].shape == w.shape
+    fresh = pipeline_model("llama")
+    fresh.load_state_dict(module.state_dict())  # a pruned checkpoint resumes pruned
+    x = _ids()
+    torch.testing.assert_close(fresh(x), module(x))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Early exit and Mixture of Depths around decoder layers
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_enabled_but_nothing_skipped_is_exactly_dense(family):
+    x = _ids()
+    dense = pipeline_model(family)(x)
+    for options in ({"early_exit": True}, {"mod_every": 2, "mod_capacity": 1.0}):
+        module = pipeline_model(family)
+        module.configure_dynamics(**options)
+        logits, aux = module(x)
+        assert torch.equal(logits, dense) and float(aux.sum()) == 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_early_exit_computes_active_tokens_as_the_dense_layer_does(family):
+    module = pipeline_model(family)
+    module.configure_dynamics(early_exit=True)
+    layer = module.layers[2]
+    h = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(4))
+    active = (torch.rand(2, 16, generator=torch.Generator().manual_seed(5)) < 0.6).float()
+    with torch.no_grad():
+        dense = layer(h)
+        y, _, _ = layer(h, active, torch.zeros(2))
+    on = active.bool()
+    torch.testing.assert_close(y[on], dense[on], rtol=1e-5, atol=1e-5)  # rotary and grouped KV heads included
+    assert torch.equal(y[~on], h[~on])  # exited tokens pass unchanged
+
+
+def test_mixture_of_depths_routes_tokens_at_their_own_rotary_positions():
+    module = pipeline_model("llama")
+    module.configure_dynamics(mod_every=2, mod_capacity=0.5)
+    layer, rotary = module.layers[1], hf_model("llama").model.rotary_emb
+    h = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        y, _, aux = layer(h, torch.ones(2, 16), torch.zeros(2))
+        top = layer.depth_router.router(h).squeeze(-1).topk(8, dim=1).indices.sort(dim=1).values
+        sub = h.gather(1, top[..., None].expand(-1, -1, 32))
+        expected = layer.layer(sub, attention_mask=None, position_embeddings=rotary(sub, top))
+    torch.testing.assert_close(y.gather(1, top[..., None].expand(-1, -1, 32)), expected)
+    assert (y != h).any(-1).sum() == 16 and float(aux.sum()) > 0  # 8 tokens per sequence went through
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_early_exit_and_mod_callbacks_train_hf_models(family):
+    exits = TokenEarlyExit(threshold=0.5, warmup_steps=2, ramp_steps=0, log_every_n_steps=100)
+    module = pipeline_model(family)
+    _, losses = fit(module, callbacks=[exits])
+    assert all(torch.isfinite(torch.tensor(losses)))
+    gates = [layer.exit_gate for layer in module.layers]
+    assert all(g is not None for g in gates) and sum(g.exited for g in gates) > 0
+    mod = MixtureOfDepths(capacity=0.5, every=2, start_step=2, anneal_steps=4, log_every_n_steps=100)
+    module = pipeline_model(family)
+    _, losses = fit(module, callbacks=[mod])
+    routers = [layer.depth_router for layer in module.layers if layer.depth_router is not None]
+    assert len(routers) == 2 and all(r.router.weight.grad is not None for r in routers)
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pipeline runs (launched processes) equal plain single-device Lightning; the checkpoint exports to HF
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    logs = d / "logs"
+    launch_script(1, SCRIPT, str(d), "llama-p1:family=llama", "gpt2-p1:family=gpt2", log_dir=logs)
+    launch_script(
+        2,
+        SCRIPT,
+        str(d),
+        "llama-p2:family=llama",
+        "gpt2-p2:family=gpt2",
+        "llama-p2-freeze:family=llama,freeze=1,random=1",
+        log_dir=logs,
+    )
+    launch_script(4, SCRIPT, str(d), "llama-p4:family=llama,random=1", "gpt2-p4:family=gpt2", log_dir=logs)
+    return d
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {family: reference(family) for family in FAMILIES}
+
+
+def _load(d: Path, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses = json.loads((d / f"{name}.json").read_text())["losses"]
+    return losses, load_whole(d / f"{name}.ckpt")["state_dict"]
+
+
+def _without_key_bias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-2's key bias gets a zero gradient (softmax ignores it): Adam turns rounding noise there into steps."""
+    out = dict(state)
+    for k, v in state.items():
+        if k.endswith("attn.c_attn.bias"):
+            S = v.shape[0] // 3
+            out[k] = torch.cat([v[:S], v[2 * S :]])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["llama-p1", "llama-p2", "llama-p4", "gpt2-p1", "gpt2-p2", "gpt2-p4"])
+def test_pipeline_equals_plain_lightning_training_the_hf_model(runs, references, name):
+    family = name.split("-")[0]
+    losses, state = _load(runs, name)
+    assert len(losses) == 12
+    assert_close_losses(losses, references[family]["losses"])
+    ours, ref = _without_key_bias(hf_state(state, family)), _without_key_bias(references[family]["state"])
+    assert_close_params(ours, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_freezing_and_rebalancing_an_hf_model_equal_plain_lightning(runs):
+    from dynmo_lightning.callbacks import LayerFreezing
+
+    module = pipeline_model("llama")
+    _, expected = fit(module, callbacks=[LayerFreezing(mode="schedule", schedule={0: 4, 1: 4, 2: 4}, start_step=0)])
+    losses, state = _load(runs, "llama-p2-freeze")
+    assert_close_losses(losses, expected)
+    assert_close_params(state, module.state_dict())
+    assert not module.layers[1].layer.mlp.up_proj.weight.requires_grad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_pipeline_checkpoint_exports_to_hf_and_loads_with_from_pretrained(runs, tmp_path, family):
+    ckpt = runs / f"{family}-p2.ckpt"  # sharded: every stage wrote its own layers
+    export([str(ckpt), str(tmp_path / "hf"), "--hf"])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa")
+    module = pipeline_model(family)
+    module.load_state_dict(load_whole(ckpt)["state_dict"])
+    x = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, module(x), rtol=0, atol=0)
+    again = from_hf(pretrained=tmp_path / "hf")  # and back in as a pipeline model (what model.pretrained=PATH does)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), module(x), rtol=0, atol=0)
+    if family == "gpt2":
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
+def test_hydra_model_configs_build_hf_models(tmp_path, name):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"model={name}", "data.block_size=32", "run_dir=/tmp/x"])
+    from hydra.utils import instantiate
+
+    module = instantiate(cfg.model, _convert_="all")
+    assert len(module.pipeline_layers()) == 6 and module.hparams.lr == cfg.model.lr
+    module.hf_state_dict()
+    hf = hf_model("llama")
+    hf.save_pretrained(tmp_path / "local")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"model={name}", f"model.pretrained={tmp_path / 'local'}", "run_dir=/x"])
+    module = instantiate(cfg.model, _convert_="all")
+    x = _ids()
+    with torch.no_grad():
+        assert torch.equal(module(x), hf(input_ids=x).logits)
