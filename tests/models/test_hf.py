@@ -14,16 +14,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _helpers import assert_close_losses, assert_close_params, launch_script  # noqa: E402
-from hf_models import CONFIGS, fit, hf_model, hf_state, pipeline_model, reference  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from _helpers import assert_close_losses, assert_close_params, launch_script
+from hf_models import CONFIGS, fit, hf_model, hf_state, pipeline_model, reference
+from hydra import compose, initialize_config_dir
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM
 
-from dynmo_lightning.callbacks import GradualPruning, MixtureOfDepths, TokenEarlyExit  # noqa: E402
-from dynmo_lightning.cli import CONF_DIR, export  # noqa: E402
-from dynmo_lightning.models.hf import from_hf, shift_labels  # noqa: E402
-from dynmo_lightning.pipeline.sharded import load_whole  # noqa: E402
+from dynmo_lightning.callbacks import GradualPruning, MixtureOfDepths, TokenEarlyExit
+from dynmo_lightning.cli import CONF_DIR, export
+from dynmo_lightning.models.hf import from_hf, shift_labels
+from dynmo_lightning.pipeline.sharded import load_whole
 
 SCRIPT = Path(__file__).resolve().parent.parent / "_hf_script.py"
 FAMILIES = ["llama", "gpt2"]
