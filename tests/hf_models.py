@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dynmo_lightning.models.hf import from_hf, to_hf_keys
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 8, 12
-LR, WEIGHT_DECAY = 3e-3, 0.1
+LR, WEIGHT_DECAY = 1e-3, 0.1
 
 CONFIGS = {
     # grouped KV heads (4 query heads, 2 KV heads), untied
