@@ -20,7 +20,13 @@ from hydra import compose, initialize_config_dir
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
-from dynmo_lightning.callbacks import GradualPruning, MixtureOfDepths, TokenEarlyExit
+from dynmo_lightning.callbacks import (
+    DynamicSparseAttention,
+    GradualPruning,
+    MixtureOfDepths,
+    MixtureOfExperts,
+    TokenEarlyExit,
+)
 from dynmo_lightning.cli import CONF_DIR, export
 from dynmo_lightning.models.hf import from_hf, shift_labels
 from dynmo_lightning.pipeline.sharded import load_whole
@@ -48,7 +54,8 @@ def test_layers_give_the_hf_models_own_logits_and_loss(family, impl):
     assert torch.equal(logits, out.logits)
     split = module.pipeline_split_batch({"input_ids": x})  # HF-style labels, shifted as HF shifts them
     assert torch.equal(split[1], shift_labels(x)) and split[1][:, -1].eq(-100).all()
-    assert torch.equal(module.pipeline_loss(logits, split[1]), out.loss)
+    # transformers 5 gives the same bits; 4.x slices the logits before the mean (another summation order)
+    torch.testing.assert_close(module.pipeline_loss(logits, split[1]), out.loss, rtol=1e-6, atol=0)
     assert module.tied == (family == "gpt2")
 
 
@@ -67,6 +74,9 @@ def test_from_hf_refuses_what_it_cannot_split():
         windowed(_ids())
     with pytest.raises(ValueError, match="cannot both act"):
         module.configure_dynamics(early_exit=True, mod_every=2)
+    for callback in (MixtureOfExperts(), DynamicSparseAttention()):  # they would replace the trained MLP/attention
+        with pytest.raises(ValueError, match="cannot apply to a Hugging Face model"):
+            callback.setup(None, module, "fit")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -165,6 +175,7 @@ def test_mixture_of_depths_routes_tokens_at_their_own_rotary_positions():
         top = layer.depth_router.router(h).squeeze(-1).topk(8, dim=1).indices.sort(dim=1).values
         sub = h.gather(1, top[..., None].expand(-1, -1, 32))
         expected = layer.layer(sub, attention_mask=None, position_embeddings=rotary(sub, top))
+        expected = expected[0] if isinstance(expected, tuple) else expected  # transformers < 5 returns a tuple
     torch.testing.assert_close(y.gather(1, top[..., None].expand(-1, -1, 32)), expected)
     assert (y != h).any(-1).sum() == 16 and float(aux.sum()) > 0  # 8 tokens per sequence went through
 

@@ -133,15 +133,26 @@ class HFCausalLM(PipelineModule):
     # ----------------------------------------------------------------------------------------------------------------
     # Dynamics
     # ----------------------------------------------------------------------------------------------------------------
-    def configure_dynamics(self, early_exit: bool = False, mod_every: int = 0, mod_capacity: float = 1.0) -> None:
+    def configure_dynamics(self, **options: Any) -> None:
         """Add exit gates (every decoder layer) or depth routers (every ``mod_every``-th) before training starts.
 
-        Called by the ``TokenEarlyExit`` and ``MixtureOfDepths`` callbacks; activations then carry
-        ``(hidden, active, aux)`` between layers.
+        Called by the ``TokenEarlyExit`` and ``MixtureOfDepths`` callbacks with ``early_exit``, ``mod_every`` and
+        ``mod_capacity``; activations then carry ``(hidden, active, aux)`` between layers.
 
         Raises:
-            ValueError: both at once (a routed layer cannot also let tokens exit), or a bad value.
+            ValueError: an option that cannot apply to Hugging Face layers (Mixture of Experts and sparse attention
+                would replace their trained MLPs or attentions by other modules), both early exit and Mixture of
+                Depths, or a bad value.
         """
+        unknown = set(options) - DYNAMIC_OPTIONS
+        if unknown:
+            raise ValueError(
+                f"{sorted(unknown)} cannot apply to a Hugging Face model: Mixture of Experts and dynamic sparse "
+                "attention would replace its (pretrained) MLPs or attentions by modules with other weights. Early "
+                "exit, Mixture of Depths, freezing and structured pruning work on its layers."
+            )
+        early_exit = bool(options.get("early_exit", False))
+        mod_every, mod_capacity = int(options.get("mod_every", 0)), float(options.get("mod_capacity", 1.0))
         if mod_every < 0 or not 0.0 < mod_capacity <= 1.0:
             raise ValueError(f"mod_every={mod_every} must be >= 0 and mod_capacity={mod_capacity} in (0, 1]")
         has_gates = any(layer.exit_gate is not None for layer in self.layers)
