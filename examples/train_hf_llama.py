@@ -12,9 +12,11 @@ Hugging Face checkpoint (``--export DIR``), which ``AutoModelForCausalLM.from_pr
 import argparse
 
 import lightning.pytorch as L
+import torch.distributed as dist
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.callbacks import LayerFreezing
+from dynmo_lightning.cli import export
 from dynmo_lightning.data import VOCAB_SIZE, StdlibCharDataModule
 from dynmo_lightning.models.hf import from_hf
 
@@ -43,8 +45,8 @@ def main() -> None:
     model = from_hf(config, lr=3e-3, weight_decay=0.1, seed=0)
 
     callbacks = [
-        LayerFreezing(mode="auto", start_step=50, check_every_n_steps=25, max_frozen_fraction=0.5),
-        DynMoBalancer(method="optimal", every_n_steps=25, warmup_steps=5),
+        LayerFreezing(mode="auto", start_step=20, check_every_n_steps=20, max_frozen_fraction=0.5),
+        DynMoBalancer(method="optimal", every_n_steps=20, warmup_steps=5),
     ]
     trainer = L.Trainer(
         accelerator="cpu",
@@ -63,11 +65,12 @@ def main() -> None:
         print({k: round(float(v), 4) for k, v in trainer.callback_metrics.items()})
         print("layers per stage over training:", trainer.strategy.partitions)
     if args.export:
-        # Every process takes part in gathering the stages' layers; then `dynmo-export --hf` writes the HF model.
+        # Every stage writes its own layers; then one process reads them all back (what `dynmo-export --hf` does).
         trainer.save_checkpoint(f"{args.export}.ckpt")
-        if trainer.is_global_zero:
-            from dynmo_lightning.cli import export
-
+        rank0 = trainer.is_global_zero
+        if dist.is_initialized():
+            dist.destroy_process_group()  # the export reads the shards on its own, outside the training world
+        if rank0:
             export([f"{args.export}.ckpt", args.export, "--hf"])
 
 
