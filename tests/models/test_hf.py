@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 from _helpers import assert_close_losses, assert_close_model, assert_close_params, launch_script
 from hf_models import CONFIGS, fit, hf_model, hf_state, pipeline_model, reference
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
@@ -291,12 +292,50 @@ def test_the_pipeline_checkpoint_exports_to_hf_and_loads_with_from_pretrained(ru
         assert loaded.lm_head.weight is loaded.transformer.wte.weight
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dynmo_train_model_hf_llama_with_freezing_and_the_balancer_exports_to_hf(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [
+        "model=hf_llama",
+        "model.model_or_config.hidden_size=32",
+        "model.model_or_config.intermediate_size=64",
+        "data.block_size=32",
+        "data.batch_size=8",
+        "data.max_bytes=100000",
+        "trainer.devices=2",
+        "trainer.max_steps=8",
+        "trainer.limit_val_batches=1",
+        "trainer.val_check_interval=4",
+        "trainer.enable_progress_bar=false",
+        "logger.csv=false",
+        "strategy.timeout=60",
+        *["dynamics=freezing", "dynamics.mode=schedule", "dynamics.schedule={0:3,1:3}", "dynamics.start_step=0"],
+        *["balancer=optimal", "balancer.every_n_steps=4", "balancer.warmup_steps=1"],
+    ]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"cases": [{"run_dir": str(run_dir), "overrides": overrides}]}))
+    launch_script(2, SCRIPT.with_name("_worker.py"), str(spec), log_dir=tmp_path / "logs")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["world_size_end"] == 2
+    ckpt = run_dir / "checkpoints" / "final.ckpt"
+    export([str(ckpt), str(tmp_path / "hf"), "--hf"])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides[:5], f"model.pretrained={tmp_path / 'hf'}", "run_dir=/x"])
+    again = instantiate(cfg.model, _convert_="all")  # model.pretrained=PATH: the trained weights, as a pipeline model
+    state = load_whole(ckpt)["state_dict"]
+    assert not any(p.is_meta for p in again.parameters()) and again.state_dict().keys() == state.keys()
+    assert_close_params(again.state_dict(), state, rtol=0)
+    x = _ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=x).logits, again(x))
+
+
 @pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
 def test_hydra_model_configs_build_hf_models(tmp_path, name):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={name}", "data.block_size=32", "run_dir=/tmp/x"])
-    from hydra.utils import instantiate
-
     module = instantiate(cfg.model, _convert_="all")
     assert len(module.pipeline_layers()) == 6 and module.hparams.lr == cfg.model.lr
     module.hf_state_dict()
