@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dynmo_lightning.models.blocks import Block
 from dynmo_lightning.models.hf.units import attention_units, mlp_units
-from dynmo_lightning.models.routing import DepthRouter, ExitGate, active_forward, routed_forward
+from dynmo_lightning.models.routing import DepthRouter, ExitGate
 
 #: Attention implementations whose causal mask a layer builds itself (``sdpa``: none, the kernel's ``is_causal``).
 ATTENTION = ("sdpa", "eager")
@@ -113,6 +114,7 @@ class DecoderLayer(nn.Module):
         self.attn_units = attention_units(getattr(layer, family.attn))
         self.exit_gate: ExitGate | None = None
         self.depth_router: DepthRouter | None = None
+        self._routed_positions: Tensor | None = None
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # A checkpoint of a pruned layer has fewer units: take its shapes before its values.
@@ -145,11 +147,12 @@ class DecoderLayer(nn.Module):
             None, None
         ]
 
-    def _dense(self, h: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """The Hugging Face layer on ``(B, T, C)``; ``positions`` ``(B, T)`` are the tokens' places in the sequence."""
+    def _dense(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The Hugging Face layer on ``(B, T, C)`` (the whole sequence, or the tokens a depth router picked)."""
         kwargs: dict[str, Any] = {}
         if self.rotary is not None:
-            if positions is None:
+            positions = self._routed_positions
+            if positions is None or positions.shape[1] != h.shape[1]:
                 positions = torch.arange(h.shape[1], device=h.device)[None]
             kwargs["position_embeddings"] = self.rotary(h, positions)
         out = self.layer(h, attention_mask=self._mask(h), **kwargs)
@@ -158,34 +161,31 @@ class DecoderLayer(nn.Module):
     def _mlp(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         return self.layer.mlp(x), None
 
-    def _routed(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _pick_positions(self, h: Tensor) -> Tensor | None:
+        """The places of the tokens ``routed_forward`` will pick (the same operations on the same input).
+
+        Rotary positions of routed tokens must be their own places in the sequence, not ``0 .. k-1``.
+        """
         router = self.depth_router
-        positions = None
-        if self.rotary is not None and float(router.capacity) < 1.0:
-            # The tokens routed_forward picks (the same operations on the same input): rotary positions must be
-            # the routed tokens' own places in the sequence, not 0..k-1.
-            with torch.no_grad():
-                scores = router.router(h).squeeze(-1)
-                positions = scores.topk(router.k(h.shape[1]), dim=1).indices.sort(dim=1).values
-        return routed_forward(self, router, h, lambda x: self._dense(x, positions))
+        if router is None or self.rotary is None or float(router.capacity) >= 1.0:
+            return None
+        with torch.no_grad():
+            scores = router.router(h).squeeze(-1)
+            return scores.topk(router.k(h.shape[1]), dim=1).indices.sort(dim=1).values
 
     def forward(
         self, h: Tensor, active: Tensor | None = None, aux: Tensor | None = None
     ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
-        """Hidden states ``(B, T, C)``, or the carried state ``(hidden, active, aux)`` (as the reference ``Block``)."""
-        if active is None or aux is None:
-            return self._dense(h)[0]
-        if self.depth_router is not None:
-            y, extra = self._routed(h)
-        elif self.exit_gate is not None and not bool((active > 0).all()):
-            y, extra = active_forward(self, h, active, self._mlp)
-        else:
-            y, extra = self._dense(h)
-        if self.exit_gate is not None:
-            active = self.exit_gate(h, y, active)
-        if extra is not None:
-            aux = aux + extra / h.shape[0]
-        return y, active, aux
+        """Hidden states ``(B, T, C)``, or the carried state ``(hidden, active, aux)``: the reference block's routing.
+
+        The reference :class:`~dynmo_lightning.models.blocks.Block` decides what runs (Mixture of Depths, early exit
+        on the active tokens, or dense) through ``_dense``, ``_mlp``, ``ln1``/``ln2`` and ``attend_queries``.
+        """
+        self._routed_positions = self._pick_positions(h) if aux is not None else None
+        try:
+            return Block.forward(self, h, active, aux)
+        finally:
+            self._routed_positions = None
 
     def attend_queries(self, x: Tensor, pos: Tensor) -> Tensor:
         """Attention outputs of the query positions ``pos`` ``(B, A)`` only, keys/values from all of ``x``.
