@@ -29,7 +29,7 @@ from dynmo_lightning.callbacks import (
     TokenEarlyExit,
 )
 from dynmo_lightning.cli import CONF_DIR, export
-from dynmo_lightning.models.hf import from_hf, shift_labels
+from dynmo_lightning.models.hf import from_hf, save_hf, shift_labels
 from dynmo_lightning.pipeline.sharded import load_whole
 
 SCRIPT = Path(__file__).resolve().parent.parent / "_hf_script.py"
@@ -135,6 +135,18 @@ def test_gradual_pruning_prunes_llama_units_and_a_pruned_checkpoint_loads(tmp_pa
     fresh.load_state_dict(module.state_dict())  # a pruned checkpoint resumes pruned
     x = _ids()
     torch.testing.assert_close(fresh(x), module(x))
+
+
+def test_export_leaves_out_dynamic_parts_and_refuses_pruned_widths(tmp_path):
+    module = pipeline_model("llama")
+    module.configure_dynamics(mod_every=2, mod_capacity=0.5)
+    left = save_hf(module.state_dict(), module.hparams["hf_config"], tmp_path / "hf")
+    assert left and all(".depth_router." in k for k in left)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(loaded.lm_head.weight, module.head.lm_head.weight)
+    module.layers[0].mlp_units.keep_units(torch.arange(32))
+    with pytest.raises(ValueError, match="structurally pruned"):
+        save_hf(module.state_dict(), module.hparams["hf_config"], tmp_path / "pruned")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ class Units(nn.Module):
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The target's parameters (where callers find the units' device); the module tree never lists them here."""
-        return self.target.parameters(recurse)
+        return self.target.parameters() if recurse else iter(())
 
     def n_units(self) -> int:
         """Units left."""
