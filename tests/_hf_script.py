@@ -2,7 +2,7 @@
 
 Usage: ``python tests/_hf_script.py OUT_DIR CASE [CASE ...]`` with the distributed environment set; a case is
 ``name:key=value,...`` with keys ``family`` (llama / gpt2), ``random`` (1: the balancer moves layers to a random
-split every 3 steps) and ``freeze`` (1: layers 0-2 freeze at step 4).
+split every 3 steps), ``freeze`` (1: layers 0-2 freeze at step 4) and ``mod`` (1: Mixture of Depths, :data:`MOD`).
 """
 
 import os
@@ -13,9 +13,10 @@ import torch.distributed as dist
 from hf_models import fit, pipeline_model, save
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
-from dynmo_lightning.callbacks import LayerFreezing
+from dynmo_lightning.callbacks import LayerFreezing, MixtureOfDepths
 
 FREEZE = {0: 4, 1: 4, 2: 4}
+MOD = {"capacity": 0.5, "every": 2, "start_step": 3, "anneal_steps": 3}
 
 
 def main() -> None:
@@ -29,6 +30,8 @@ def main() -> None:
             callbacks.append(DynMoBalancer(method="random", every_n_steps=3, warmup_steps=0))
         if opts.get("freeze") == "1":
             callbacks.append(LayerFreezing(mode="schedule", schedule=FREEZE, start_step=0))
+        if opts.get("mod") == "1":
+            callbacks.append(MixtureOfDepths(**MOD))
         strategy = DynMoStrategy(n_microbatches=4, timeout=60)
         trainer, losses = fit(pipeline_model(opts["family"]), strategy, devices=world_size, callbacks=callbacks)
         save(trainer, losses, out / f"{name}.json")

@@ -224,6 +224,7 @@ def runs(tmp_path_factory):
         "llama-p2:family=llama",
         "gpt2-p2:family=gpt2",
         "llama-p2-freeze:family=llama,freeze=1,random=1",
+        "llama-p2-mod:family=llama,mod=1",
         log_dir=logs,
     )
     launch_script(4, SCRIPT, str(d), "llama-p4:family=llama,random=1", "gpt2-p4:family=gpt2", log_dir=logs)
@@ -283,6 +284,19 @@ def test_freezing_and_rebalancing_an_hf_model_equal_plain_lightning(runs):
     assert_close_losses(losses, expected)
     assert_close_params(state, module.state_dict())
     assert not module.layers[1].layer.mlp.up_proj.weight.requires_grad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_mixture_of_depths_on_an_hf_model_in_a_pipeline_equals_plain_lightning(runs):
+    from _hf_script import MOD
+
+    module = pipeline_model("llama")
+    _, expected = fit(module, callbacks=[MixtureOfDepths(**MOD)])
+    losses, state = _load(runs, "llama-p2-mod")
+    assert_close_losses(losses, expected)  # routers on stage 0 get their gradients through the carried aux loss
+    assert_close_params(state, module.state_dict())
+    assert any(".depth_router.router.weight" in k for k in state)
 
 
 @pytest.mark.slow
