@@ -60,6 +60,26 @@ def test_layers_give_the_hf_models_own_logits_and_loss(family, impl):
     assert module.tied == (family == "gpt2")
 
 
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_the_llama_family_shares_the_layout(model_type):
+    from transformers import AutoConfig
+
+    config = {**CONFIGS["llama"], "model_type": model_type}
+    module = from_hf(config, seed=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config.pop("model_type")
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), attn_implementation="sdpa")
+    x = _ids()
+    assert torch.equal(module(x), hf(input_ids=x).logits)
+    layer = module.layers[0]  # Qwen2 has query/key/value biases: pruned with their rows
+    layer.attn_units.keep_units(torch.tensor([1]))
+    layer.mlp_units.keep_units(torch.arange(16))
+    attn = layer.layer.self_attn
+    assert attn.k_proj.weight.shape[0] == 8 and attn.q_proj.weight.shape[0] == 16 and module(x).shape == (2, 16, 128)
+    assert model_type == "mistral" or attn.k_proj.bias.shape[0] == 8
+
+
 def test_from_hf_refuses_what_it_cannot_split():
     from transformers import AutoConfig
 
@@ -227,7 +247,7 @@ def runs(tmp_path_factory):
         "llama-p2-mod:family=llama,mod=1",
         log_dir=logs,
     )
-    launch_script(4, SCRIPT, str(d), "llama-p4:family=llama,random=1", "gpt2-p4:family=gpt2", log_dir=logs)
+    launch_script(4, SCRIPT, str(d), "llama-p4:family=llama,random=1", "gpt2-p4:family=gpt2,random=1", log_dir=logs)
     return d
 
 
