@@ -80,6 +80,14 @@ def test_the_llama_family_shares_the_layout(model_type):
     assert model_type == "mistral" or attn.k_proj.bias.shape[0] == 8
 
 
+def test_without_transformers_the_error_says_how_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` sees when it is missing
+    with pytest.raises(ImportError, match=r"pip install 'dynmo-lightning\[hf\]'"):
+        from_hf(CONFIGS["llama"])
+
+
 def test_from_hf_refuses_what_it_cannot_split():
     from transformers import AutoConfig
 

@@ -70,7 +70,6 @@ class HFCausalLM(PipelineModule):
         self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler"])
         self.family = _family(model.config)
         self.hparams["hf_config"] = model.config.to_dict()
-        self.vocab_size = model.config.vocab_size
         self._optimizer, self._lr_scheduler = optimizer, lr_scheduler
         self.embed, self.layers, self.head = _split(model, self.family)
         self.tied = self.head.lm_head.weight is self.embed.wte.weight
@@ -102,7 +101,12 @@ class HFCausalLM(PipelineModule):
         raise ValueError(f"a batch must be (input_ids, targets) or a dict with input_ids, got {type(batch).__name__}")
 
     def pipeline_loss(self, output: Tensor | tuple[Tensor, Tensor], target: Tensor) -> Tensor:
-        """Hugging Face's causal-LM cross-entropy on already shifted targets, plus carried auxiliary losses."""
+        """Hugging Face's causal-LM cross-entropy on already shifted targets, plus carried auxiliary losses.
+
+        The mean over the micro-batch's counted tokens: with ``-100`` targets spread unevenly over micro-batches, the
+        mean of micro-batch means (what a pipeline step optimises) weighs tokens slightly differently from one mean
+        over the whole batch.
+        """
         logits, aux = output if isinstance(output, tuple) else (output, None)
         loss = F.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX
