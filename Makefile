@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# Pin the CPU build of torch first: a bare range would pull a multi-GB CUDA build on these machines.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,hf]'
 	touch $(STAMP)
 
 setup: $(STAMP)

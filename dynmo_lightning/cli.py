@@ -134,14 +134,32 @@ def export(argv: list[str] | None = None) -> None:
     ``CKPT`` is a sharded checkpoint directory or a single file; the result loads into the plain model with
     ``model.load_state_dict(torch.load(OUT), strict=True)``. ``--full`` writes the whole single-file Lightning
     checkpoint instead (optimizer states by parameter name, loops, callbacks), which resumes like any other.
+    ``--hf`` writes a model built with ``from_hf`` as a Hugging Face checkpoint directory instead
+    (``save_pretrained``; loads with ``from_pretrained(OUT)``).
     """
     parser = argparse.ArgumentParser(prog="dynmo-export", description=export.__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint written by DynMoStrategy (directory or file)")
     parser.add_argument("out", help="the file to write")
     parser.add_argument("--full", action="store_true", help="the whole checkpoint, not only the state_dict")
+    parser.add_argument("--hf", action="store_true", help="a Hugging Face directory (models built with from_hf)")
     args = parser.parse_args(argv)
     if not os.path.exists(args.checkpoint):
         raise SystemExit(f"dynmo-export: {args.checkpoint} does not exist")
     whole = sharded.load_whole(args.checkpoint)
+    if args.hf:
+        _export_hf(whole, args.out)
+        return
     torch.save(whole if args.full else whole["state_dict"], args.out)
     print(f"dynmo-export: wrote {args.out} ({len(whole['state_dict'])} tensors)")
+
+
+def _export_hf(whole: dict[str, Any], out: str) -> None:
+    """Write the checkpoint of a ``from_hf`` model with ``save_pretrained``."""
+    from dynmo_lightning.models.hf import save_hf
+
+    hf_config = whole.get("hyper_parameters", {}).get("hf_config")
+    if hf_config is None:
+        raise SystemExit("dynmo-export --hf: the checkpoint is not of a model built with from_hf (no hf_config)")
+    left = save_hf(whole["state_dict"], hf_config, out)
+    note = f"; left out {len(left)} tensors of dynamic parts Hugging Face models lack: {left[:4]}" if left else ""
+    print(f"dynmo-export: wrote the Hugging Face model to {out}{note}")

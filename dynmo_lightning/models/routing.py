@@ -172,7 +172,9 @@ def active_forward(
     pos = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :A]
     valid = torch.arange(A, device=h.device)[None, :] < counts[:, None]
     index = pos[..., None].expand(-1, -1, C)
-    x = h.gather(1, index) + attend_queries(block.attn, block.ln1(h), pos)
+    # A block with its own attention layout (Hugging Face layers: rotary, grouped KV) says how to attend.
+    attend = getattr(block, "attend_queries", None) or (lambda x, p: attend_queries(block.attn, x, p))
+    x = h.gather(1, index) + attend(block.ln1(h), pos)
     if h.device.type == "cpu" or getattr(block.mlp, "routes_tokens", False):
         # Exactly the active tokens: a boolean gather, whose size is a host read on an accelerator (free on CPU;
         # needed by an MoE MLP, whose routing must see only real tokens).
