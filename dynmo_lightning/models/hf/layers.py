@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from dynmo_lightning.models.blocks import Block
 from dynmo_lightning.models.hf.units import attention_units, mlp_units
 from dynmo_lightning.models.routing import DepthRouter, ExitGate
+from dynmo_lightning.protocol import host_value
 
 #: Attention implementations whose causal mask a layer builds itself (``sdpa``: none, the kernel's ``is_causal``).
 ATTENTION = ("sdpa", "eager")
@@ -167,7 +168,7 @@ class DecoderLayer(nn.Module):
         Rotary positions of routed tokens must be their own places in the sequence, not ``0 .. k-1``.
         """
         router = self.depth_router
-        if router is None or self.rotary is None or float(router.capacity) >= 1.0:
+        if router is None or self.rotary is None or host_value(router, "capacity") >= 1.0:
             return None
         with torch.no_grad():
             scores = router.router(h).squeeze(-1)
