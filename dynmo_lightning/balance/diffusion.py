@@ -169,6 +169,7 @@ def _fold(values: Iterable[float]) -> float:
         total += x
     return total
 
+
 _Op = Callable[[float, float], float]
 
 

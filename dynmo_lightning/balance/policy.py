@@ -280,7 +280,8 @@ class BalancePolicy:
         compute, moving = self.tracker.compute, self.layer_bytes()
         mem = [0.0] * len(compute) if memory is None else memory
         layers = [(compute[i], mem[i], v["fwd"][i], v["bwd"][i], moving[i]) for i in own]
-        limit = math.inf if capacity is None else shared_capacity([capacity] if isinstance(capacity, (int, float)) else capacity)
+        shared = None if capacity is None else [capacity] if isinstance(capacity, (int, float)) else capacity
+        limit = shared_capacity(shared)
         return DiffusionStage(stage, pipe.n_stages, first, layers, n_layers=len(compute), capacity=limit)
 
     def decide(
