@@ -34,6 +34,14 @@ def layer_costs(n_layers: int, seed: int = 0) -> list[float]:
     return [float(rng.randint(300, 1000) // (3 if i < n_layers // 4 else 1)) for i in range(n_layers)]
 
 
+def balancer_layers(costs: list[float], split: list[int]) -> list[list[tuple[float, ...]]]:
+    """Each stage's layers as the balancer builds them: ``(compute, memory, fwd, bwd, bytes)`` (a 432-byte card)."""
+    from dynmo_lightning.balance.diffusion import stage_layers
+
+    fwd, bwd, moving = [c / 3 for c in costs], [2 * c / 3 for c in costs], [1e6] * len(costs)
+    return stage_layers(costs, split, None, (fwd, bwd, moving))
+
+
 def uniform(n_layers: int, n_stages: int) -> list[int]:
     size, extra = divmod(n_layers, n_stages)
     return [size + 1] * extra + [size] * (n_stages - extra)
@@ -45,7 +53,7 @@ def worker(out: Path, n_layers: int, repeats: int) -> None:
     import torch.distributed as dist
 
     from dynmo_lightning.balance import partition
-    from dynmo_lightning.balance.diffusion import stage_layers, start_stages
+    from dynmo_lightning.balance.diffusion import start_stages
     from dynmo_lightning.pipeline.layout import PipelineGroup
     from dynmo_lightning.pipeline.neighbours import run_stage
 
@@ -53,7 +61,7 @@ def worker(out: Path, n_layers: int, repeats: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     pipe, costs = PipelineGroup(rank, None, list(range(world))), layer_costs(n_layers)
     split = uniform(n_layers, world)
-    own = stage_layers(costs, split)
+    own = balancer_layers(costs, split)
     diffusion, central, stats = [], [], None
     for _ in range(repeats):
         stage = start_stages(own)[rank]  # this rank's stage only: it knows its own layers
@@ -64,7 +72,7 @@ def worker(out: Path, n_layers: int, repeats: int) -> None:
         t0 = time.perf_counter()
         parts: list = [None] * world
         dist.all_gather_object(parts, own[rank])
-        planned = partition([c for part in parts for c, _ in part], world)
+        planned = partition([layer[0] for part in parts for layer in part], world)
         central.append(time.perf_counter() - t0)
     assert stats is not None and stats.layers_per_stage == planned
     if rank == 0:
@@ -91,30 +99,31 @@ def real(n_stages: int, n_layers: int, repeats: int) -> dict:
 
 def simulated(n_stages: int, n_layers: int) -> dict:
     """Round count and per-stage compute from the in-memory protocol; times from the latency model."""
-    from dynmo_lightning.balance import bottleneck, diffuse, partition
+    from dynmo_lightning.balance import bottleneck, partition
+    from dynmo_lightning.balance.diffusion import card_width, drive, start_stages
     from dynmo_lightning.sim import gather_plan_time, neighbour_plan_time
 
     costs, start = layer_costs(n_layers), uniform(n_layers, n_stages)
     t0 = time.perf_counter()
-    result = diffuse(costs, start)
+    stages = start_stages(balancer_layers(costs, start))  # the same stage code, cards passed in memory
+    rounds = sum(1 for _ in drive(stages))
     compute_s = (time.perf_counter() - t0) / n_stages  # the stages run in parallel: one stage's share
+    split, card = [len(s.layers) for s in stages], 8 * card_width(stages[0].width)
     plan = []
     for _ in range(3):
         t0 = time.perf_counter()
         best = partition(costs, n_stages)
         plan.append(time.perf_counter() - t0)
     plan_s = statistics.median(plan)
-    assert bottleneck(costs, result.layers_per_stage) == bottleneck(costs, best)
-    row = {"stages": n_stages, "layers": n_layers, "rounds": result.rounds, "probes": result.probes,
-           "card_bytes": result.message_bytes, "bytes_sent_per_process": 2 * result.rounds * result.message_bytes,
+    assert bottleneck(costs, split) == bottleneck(costs, best)
+    row = {"stages": n_stages, "layers": n_layers, "rounds": rounds, "probes": stages[0].probes,
+           "card_bytes": card, "bytes_sent_per_process": 2 * rounds * card,
            "central_bytes_per_process": n_layers * LAYER_BYTES, "stage_compute_ms": 1e3 * compute_s,
            "optimal_plan_ms": 1e3 * plan_s}  # fmt: skip
     for latency in LATENCIES:
         us = f"{latency * 1e6:.0f}us"
         model = {"latency": latency, "bandwidth": BANDWIDTH}
-        row[f"diffusion_ms_{us}"] = 1e3 * neighbour_plan_time(
-            result.rounds, result.message_bytes, n_stages, compute_s=compute_s, **model
-        )
+        row[f"diffusion_ms_{us}"] = 1e3 * neighbour_plan_time(rounds, card, n_stages, compute_s=compute_s, **model)
         row[f"central_ms_{us}"] = 1e3 * gather_plan_time(n_layers, n_stages, LAYER_BYTES, plan_s=plan_s, **model)
     return row
 
