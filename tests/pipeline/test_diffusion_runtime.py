@@ -15,22 +15,36 @@ from dynmo_lightning.balance.diffusion import round_bound
 # Blocks with MLP hidden sizes 16x vs 1x the model width: the uniform split [2, 2, 2, 2] is unbalanced.
 UNEVEN = ["model.n_layer=6", "model.n_embd=32", "model.mlp_ratio=[16,16,16,1,1,1]", "trainer.max_steps=8"]
 DIFFUSION = ["balancer=diffusion", "balancer.every_n_steps=4", "balancer.warmup_steps=1", "balancer.min_gain=0.02"]
+DP2 = ["strategy.data_parallel_size=2", "data.batch_size=8"]  # two replicas of two stages, the same global batch
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("diffusion")
+    out = launch(
+        4,
+        {
+            d / "static": UNEVEN,
+            d / "diffusion": [*UNEVEN, *DIFFUSION],
+            d / "diffusion-dp2": [*UNEVEN, *DIFFUSION, *DP2],
+        },
+        inject_costs=True,  # structural costs: no verdict depends on this machine's timings
+        forbid_gathers=True,  # every gather collective raises while the balancer plans
+    )
+    return {path.name: run for path, run in out.items()}
+
+
+def _costs(state: dict) -> list[float]:
+    values = state["tracker"]["values"]
+    return [f + b for f, b in zip(values["fwd"], values["bwd"], strict=True)]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_four_stages_balance_between_neighbours_without_any_gather(tmp_path):
-    d = tmp_path / "runs"
-    runs = launch(
-        4,
-        {d / "static": UNEVEN, d / "diffusion": [*UNEVEN, *DIFFUSION]},
-        inject_costs=True,  # structural costs: no verdict depends on this machine's timings
-        forbid_gathers=True,  # every gather collective raises while the balancer plans
-    )
-    static, run = runs[d / "static"], runs[d / "diffusion"]
+def test_four_stages_balance_between_neighbours_without_any_gather(runs):
+    static, run = runs["static"], runs["diffusion"]
     state = run.checkpoint["callbacks"]["DynMoBalancer"]
-    values = state["tracker"]["values"]
-    costs = [f + b for f, b in zip(values["fwd"], values["bwd"], strict=True)]
+    costs = _costs(state)
     checks = [h for h in state["history"] if "diffusion_rounds" in h]
     assert checks, state["history"]  # the balancer ran the neighbour protocol (not the one-process simulation)
     first = checks[0]
@@ -47,5 +61,21 @@ def test_four_stages_balance_between_neighbours_without_any_gather(tmp_path):
     assert planning[0][0]["split"] == first["proposed"]
     assert 0 < first["diffusion_rounds"] <= round_bound(len(costs), 4, first["diffusion_probes"])
     # Training stays exact: same losses and parameters as the static pipeline.
+    assert_close_losses(run.summary["losses"], static.summary["losses"])
+    assert_close_params(run.checkpoint["state_dict"], static.checkpoint["state_dict"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_replicas_each_diffuse_on_their_pipeline_and_stay_exact(runs):
+    static, run = runs["static"], runs["diffusion-dp2"]
+    state = run.checkpoint["callbacks"]["DynMoBalancer"]
+    checks = [h for h in state["history"] if "diffusion_rounds" in h]
+    assert checks and checks[0]["current"] == [4, 4] and checks[0]["migrated"]
+    assert checks[0]["proposed"] == partition(_costs(state), 2) != [4, 4]
+    # Every process of both replicas ran the protocol on its own pipeline and found the same split.
+    planning = [json.loads((run.run_dir / f"planning.rank{r}.json").read_text()) for r in range(4)]
+    assert all(p[0]["split"] == checks[0]["proposed"] for p in planning)
+    assert run.summary["replicas_in_sync"]
     assert_close_losses(run.summary["losses"], static.summary["losses"])
     assert_close_params(run.checkpoint["state_dict"], static.checkpoint["state_dict"])
