@@ -398,13 +398,16 @@ class DiffusionRound:
 
 
 def round_bound(n_layers: int, n_stages: int, probes: int) -> int:
-    """The most rounds the protocol takes for ``probes`` probes (module docstring; the proof is in the README).
+    """The most rounds the protocol takes for ``probes`` probes (tested: ``tests/balance/test_balance_diffusion.py``).
 
-    Per settle: a push phase ends ``P`` rounds after its last push and an active pushing stage pushes within two
-    rounds (a stage's load only grows until it pushes), so it lasts at most ``P + 2 m``; a pull phase lasts at most
-    ``P + (P + 2)(m + 1)`` (a request is relayed at most ``P - 1`` stages before a grant); ``m <= (P - 1)(L - P)``
-    moves per phase, as each boundary moves one way only. Reductions: ``K + 1``; the gather: one; ``P - 1`` rounds
-    each. ``K + 1`` settles at most.
+    Why. A phase ends ``P`` rounds after its last activity, and activity never resumes after a quiet round (nothing
+    changed, so nothing becomes active). Push phase: an active stage stays active until it pushes (its load only
+    grows before that) and pushes within two rounds, so it lasts at most ``P + 2 m``. Pull phase: while the split
+    is not ``T(B)`` a request reaches a stage with two or more layers within ``P - 1`` relays and is granted within
+    two more rounds, so it lasts at most ``P + (P + 2)(m + 1)``. Each boundary moves one way in a phase, so
+    ``m <= (P - 1)(L - P)`` moves. Reductions: one per probe plus the first; the gather: one; ``P - 1`` rounds each.
+    At most ``probes + 1`` settles. Worst case ``O(K P^2 L)``; in practice about ``3 P`` rounds per probe plus the
+    layer moves.
     """
     p, moves = n_stages, (n_stages - 1) * (n_layers - n_stages)
     if p == 1:
