@@ -372,6 +372,15 @@ class PipelineControl(Protocol):
         """Global rank ``src``'s ``obj`` on every process (collective)."""
         ...
 
+    def run_neighbours(self, stage_of: Any) -> Any:
+        """Run a neighbour protocol over the pipeline (collective over it, point-to-point only).
+
+        ``stage_of(pipeline_rank)`` builds this process's stage machine
+        (:class:`~dynmo_lightning.balance.diffusion.DiffusionStage`); returns the run's
+        :class:`~dynmo_lightning.pipeline.neighbours.NeighbourStats`.
+        """
+        ...
+
     def tie_layers(self, param: Tensor) -> set[int]:
         """Pipeline layers sharing ``param`` in the unsplit model."""
         ...

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -40,11 +40,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dynmo_lightning import balance
+from dynmo_lightning.balance.diffusion import DiffusionStage
 from dynmo_lightning.pipeline import checkpoint as ckpt
 from dynmo_lightning.pipeline import groups, launcher, sharded
 from dynmo_lightning.pipeline.elastic import ElasticWorld
 from dynmo_lightning.pipeline.layout import Mesh, PipelineGroup, ReplicaLayout, check_batch, make_mesh, shard_dataloader
 from dynmo_lightning.pipeline.migration import MigrationStats
+from dynmo_lightning.pipeline.neighbours import NeighbourStats, run_stage
 from dynmo_lightning.pipeline.precision import PipelinePrecision
 from dynmo_lightning.pipeline.reduce import GlobalNormClipping, last_stage_perplexity, replicas_in_sync
 from dynmo_lightning.pipeline.resize import ResizeMixin
@@ -490,6 +492,11 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
             stats = self._stages.migrate(new, self.optimizers)
         self.partitions.append({"step": self.lightning_module.trainer.global_step, "layers_per_stage": lps})
         return stats
+
+    def run_neighbours(self, stage_of: Callable[[int], DiffusionStage]) -> NeighbourStats:
+        """Drive this process's stage ``stage_of(pp_rank)`` of the diffusion protocol, point-to-point to neighbours."""
+        with self._phase("diffusion balancing between pipeline neighbours"):
+            return run_stage(stage_of(self.pp_rank), self._pipe, self.root_device)
 
     # --- collectives (over the whole job, as Lightning expects) ------------------------------------------------------
     @override

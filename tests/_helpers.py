@@ -80,13 +80,15 @@ def launch(
     *,
     inject_costs: bool = False,
     load_rises_at: int | None = None,
+    forbid_gathers: bool = False,
 ) -> dict[Path, CliRun]:
     """Run several dynmo-train configurations in one launch of ``world_size`` processes (``tests/_worker.py``).
 
     Every case gets the tiny config plus its overrides and ``trainer.devices=world_size``; returns one
     :class:`CliRun` per run directory. ``inject_costs``: the balancer plans from structural layer costs instead of
     measured times (``tests/injected_costs.py``), for tests whose verdict depends on its decisions; from step
-    ``load_rises_at`` on, frozen layers cost as if they trained again.
+    ``load_rises_at`` on, frozen layers cost as if they trained again. ``forbid_gathers``: every gather collective
+    raises while the balancer plans (``tests/_worker.py``).
     """
     spec_dir = next(iter(cases)).parent
     spec_dir.mkdir(parents=True, exist_ok=True)
@@ -96,6 +98,7 @@ def launch(
         ],
         "inject_costs": inject_costs,
         "load_rises_at": load_rises_at,
+        "forbid_gathers": forbid_gathers,
     }
     spec_path = spec_dir / f"spec-{world_size}-{len(list(spec_dir.iterdir()))}.json"
     spec_path.write_text(json.dumps(spec))

@@ -4,9 +4,12 @@ Importing Lightning costs seconds per process on the test machines, so a launch 
 back to back (same world, same process group), each through the CLI's own ``run(cfg)`` with a composed Hydra config.
 Usage (by tests/_helpers.py): ``python tests/_worker.py SPEC.json`` with the distributed env vars set; with
 ``"inject_costs": true`` in the spec the balancer sees structural layer costs instead of timings
-(``tests/injected_costs.py``).
+(``tests/injected_costs.py``); with ``"forbid_gathers": true`` every gather collective raises while the balancer
+plans (``forbid_gathers``), and each rank writes what its planning runs did to ``planning.rankR.json``.
 """
 
+import contextlib
+import functools
 import json
 import sys
 import traceback
@@ -14,12 +17,54 @@ from pathlib import Path
 
 import injected_costs
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from hydra import compose, initialize_config_dir
 from torch.distributed.checkpoint import FileSystemReader
 
+from dynmo_lightning.balance import BalancePolicy
 from dynmo_lightning.cli import CONF_DIR, run
+from dynmo_lightning.strategy import DynMoStrategy
 
 READ_BYTES = [0]
+GATHERS = ("all_gather_object", "all_gather", "gather", "gather_object", "all_gather_into_tensor")
+PLANNING: list[dict] = []
+
+
+@contextlib.contextmanager
+def _no_gathers():
+    """Every gather collective raises inside (on torch.distributed and where it is defined)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a gather collective was called while the balancer planned")
+
+    saved = [(m, n, getattr(m, n)) for m in (dist, c10d) for n in GATHERS]
+    for module, name, _ in saved:
+        setattr(module, name, refuse)
+    try:
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+def forbid_gathers() -> None:
+    """The balancer's planning (the neighbour protocol and the decision) runs with every gather refused."""
+    run_neighbours, decide = DynMoStrategy.run_neighbours, BalancePolicy.decide
+
+    @functools.wraps(run_neighbours)
+    def neighbours(self, stage_of):
+        with _no_gathers():
+            stats = run_neighbours(self, stage_of)
+        PLANNING.append({"rounds": stats.rounds, "probes": stats.probes, "split": stats.layers_per_stage})
+        return stats
+
+    @functools.wraps(decide)
+    def decided(self, *args, **kwargs):
+        with _no_gathers():
+            return decide(self, *args, **kwargs)
+
+    DynMoStrategy.run_neighbours = neighbours  # type: ignore[method-assign]
+    BalancePolicy.decide = decided  # type: ignore[method-assign]
 
 
 def record_reads() -> None:
@@ -38,6 +83,8 @@ def main() -> None:
     record_reads()
     if spec.get("inject_costs"):
         injected_costs.inject(spec.get("load_rises_at"))
+    if spec.get("forbid_gathers"):
+        forbid_gathers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for case in spec["cases"]:
             cfg = compose("config", overrides=[*case["overrides"], f"run_dir={case['run_dir']}"])
@@ -47,6 +94,10 @@ def main() -> None:
             except Exception:
                 traceback.print_exc()
                 sys.exit(17)
+            if PLANNING and dist.is_initialized():
+                planned = Path(case["run_dir"]) / f"planning.rank{dist.get_rank()}.json"
+                planned.write_text(json.dumps(PLANNING))
+                PLANNING.clear()
             if READ_BYTES[0] and dist.is_initialized():
                 reads = Path(case["run_dir"]) / f"reads.rank{dist.get_rank()}.json"
                 reads.write_text(json.dumps({"bytes": READ_BYTES[0]}))

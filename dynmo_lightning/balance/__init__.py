@@ -12,8 +12,10 @@ the number of layers, stage ``i`` holding the next contiguous block. Stages and 
   ``"uniform"`` (by layer count), ``"params"`` (optimal split of parameter counts, the DeepSpeed baseline done
   exactly), ``"static_time"`` (optimal split of times profiled once, the torchgpipe baseline) and ``"diffusion"``
   (decentralised neighbour-only protocol from the uniform split; it ends on an optimal split).
-* :func:`diffuse` - the diffusion protocol from any starting split; :class:`DiffusionResult` reports the split,
-  rounds used, bottleneck and whether it finished within ``max_rounds``.
+* :func:`diffuse` - the diffusion protocol from any starting split, all stages simulated in one process;
+  :class:`DiffusionResult` reports the split, rounds used, bottleneck and whether it finished within ``max_rounds``.
+  One stage of it is :class:`~dynmo_lightning.balance.diffusion.DiffusionStage`, the state machine the runtime
+  drives point-to-point (:mod:`dynmo_lightning.pipeline.neighbours`).
 * :func:`bottleneck`, :func:`stage_loads`, :func:`imbalance`, :func:`bytes_moved`, :func:`validate_partition` -
   measure and check partitions.
 * :class:`InfeasibleMemoryError` (a ``ValueError``) - no split fits the capacities; the message says why.

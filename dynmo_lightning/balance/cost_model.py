@@ -186,6 +186,17 @@ def should_repartition(
     t_cur, t_new = (
         step_time(*stage_times(fwd, bwd, split), n_microbatches, schedule, p2p) for split in (current, proposed)
     )
+    return repartition_pays(t_cur, t_new, steps_until_next_check, migration_cost, min_gain)
+
+
+def repartition_pays(
+    t_cur: float, t_new: float, steps_until_next_check: int, migration_cost: float, min_gain: float
+) -> tuple[bool, float]:
+    """The rule of :func:`should_repartition` on the two predicted step times (no per-layer costs needed).
+
+    Returns:
+        ``(decision, predicted saving over the horizon)``.
+    """
     saving = (t_cur - t_new) * steps_until_next_check
     gain = (t_cur - t_new) / t_cur if t_cur > 0 else 0.0
     return saving > migration_cost and gain > min_gain, saving

@@ -1,14 +1,25 @@
 """Decentralised diffusion balancing: stages exchange boundary layers with their pipeline neighbours only.
 
-The protocol runs in synchronous rounds. In a round every stage looks only at a :class:`_View`: its own layers
-(their costs and memory travel with them), its right neighbour's first layer and layer count, and the one-hop
-messages its neighbours sent in the previous round. Layers move one at a time across a boundary, and in round ``r``
-only the boundaries ``p`` (between stages ``p`` and ``p + 1``) with ``p % 2 == r % 2`` may move, so no stage gains
-or loses layers on both sides at once and no layer skips a stage.
+One protocol, two drivers. :class:`DiffusionStage` is the state machine of ONE pipeline stage: it knows its own
+layers (cost, memory and any extra numbers that ride along, e.g. forward/backward time and bytes) and, every round,
+emits one fixed-size :class:`Card` to both neighbours and consumes the two cards they sent. :func:`diffuse` and
+:func:`diffusion_rounds` drive all stages in one process with in-memory message passing (planning, the simulator,
+tests); :func:`dynmo_lightning.pipeline.neighbours.run_stage` drives one stage per process with point-to-point
+messages on the pipeline group (the balancer at runtime). Both run the same code, so they take the same rounds and
+end on the same split.
+
+The protocol runs in synchronous rounds. In round ``r`` only the boundaries ``p`` (between stages ``p`` and
+``p + 1``) with ``p % 2 == r % 2`` may move, one layer at a time, so no stage gains or loses layers on both sides at
+once and no layer skips a stage. A card carries what the neighbour needs to take the same decision on the boundary
+the two share: the stage's load and memory, its layer count and end, its first and last layer (so a moved layer's
+numbers travel with it), a push flag, a relay flag, the latest round it heard of activity, three reduction values
+and two gather entries.
 
 Besides layers, the stages diffuse a bottleneck bound ``B``: every stage runs its own copy of the exact search of
-:class:`~dynmo_lightning.balance._search.BoundSearch`, fed with values all-reduced over neighbour links, so all
-copies propose the same bound. For a bound ``B`` (never below the largest layer cost) the stages *settle*:
+:class:`~dynmo_lightning.balance._search.BoundSearch`, fed with values all-reduced over neighbour links (each round
+a stage combines its value with its neighbours'; after ``P - 1`` rounds all agree: max, min and "and" are
+idempotent), so all copies propose the same bound. For a bound ``B`` (never below the largest layer cost) the
+stages *settle*:
 
 1. push phase: a stage (not the last) whose load exceeds ``B`` or whose memory exceeds the capacity passes its
    last layer to its right neighbour. When no stage pushes, every stage but the last fits, which puts every boundary
@@ -18,29 +29,35 @@ copies propose the same bound. For a bound ``B`` (never below the largest layer 
 2. pull phase: a stage asks for its right neighbour's first layer when its block plus that layer fits and enough
    layers remain for the later stages; a one-layer stage whose only layer its left neighbour asked for asks its own
    right neighbour (it relays the request, so a run of one-layer stages never blocks the flow; requests name the
-   layer, so a stale one is ignored). A request is
-   granted when the boundary's turn comes and the neighbour has two or more layers. Boundaries only move right and
-   never past ``T(B)``: a request from a stage at or left of ``T`` shows the greedy's reach lies beyond its end.
-   While the split differs from ``T(B)``, the leftmost stage that ends short of ``T(B)`` keeps asking, and its
-   request is relayed to a stage with two or more layers, so some boundary moves within ``O(P)`` rounds; as moves
-   only go right, the phase ends exactly at ``T(B)``.
+   layer, so a stale one is ignored). A request is granted when the boundary's turn comes and the neighbour has two
+   or more layers. Boundaries only move right and never past ``T(B)``: a request from a stage at or left of ``T``
+   shows the greedy's reach lies beyond its end. While the split differs from ``T(B)``, the leftmost stage that
+   ends short of ``T(B)`` keeps asking, and its request is relayed to a stage with two or more layers, so some
+   boundary moves within ``O(P)`` rounds; as moves only go right, the phase ends exactly at ``T(B)``.
 
 ``B`` is feasible iff the last stage of ``T(B)`` fits too (the greedy places as many layers as any split can). The
 stages all-reduce three numbers: whether every stage fits, the largest load (the bottleneck reached) and the least
 bound that would change ``T(B)`` - a stage's load plus its right neighbour's first layer where memory allows that
 layer, or the last stage's whole load. Below that value ``T`` stays the same, so the bound stays infeasible. That is
-exactly what the search needs to land on the optimum, see :class:`BoundSearch`.
+exactly what the search needs to land on the optimum, see :class:`BoundSearch`: the protocol is *exact*.
 
 Each phase ends by itself: stages tell neighbours the latest round in which they heard of any activity (a push, or
 a request). One quiet round means the phase is over for good, and everyone learns of the last busy round within
-``P - 1`` rounds, so every stage ends the phase in the same round: ``P`` rounds after the last activity.
+``P - 1`` rounds, so every stage ends the phase in the same round: ``P`` rounds after the last activity. Finally a
+*gather* phase of ``P - 1`` rounds pipelines one small entry per stage along the chain in both directions (each
+card forwards one entry each way), so every stage learns the new split and per-stage sums - never a layer's cost.
+
+Rounds (see :func:`round_bound`): ``(K + 2)(P - 1)`` reduction and gather rounds, plus ``K + 1`` settles of at most
+``2P + 2 m_push + (P + 2)(m_pull + 1)`` rounds each, where ``K`` is the number of probes (at most
+``2 + log2((B_0 - c_max) / delta)``, ``delta`` the least gap between two distinct block sums: 1 for integer costs)
+and ``m`` the layer moves of a phase (each boundary moves one way per phase, so ``m <= (P - 1)(L - P)``).
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -49,7 +66,295 @@ from dynmo_lightning.balance._validation import as_capacities, as_values
 from dynmo_lightning.balance.layout import bottleneck, validate_partition
 from dynmo_lightning.balance.optimal import require_memory_fit
 
-REDUCE, PUSH, PULL = "reduce", "push", "pull"
+REDUCE, PUSH, PULL, GATHER = "reduce", "push", "pull", "gather"
+
+#: One layer as the protocol carries it: ``(cost, memory, *extras)``.
+Layer = tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Card:
+    """What one stage sends to both neighbours in a round (fixed size: it travels as one float64 tensor).
+
+    Attributes:
+        load: sum of its layers' costs.
+        memory: sum of its layers' memory.
+        size: its layer count.
+        end: model index after its last layer.
+        push: push phase: it passes its last layer right when its boundary's turn comes.
+        relay: pull phase: it holds one layer, which its left neighbour asked for (it asks on regardless).
+        heard: latest round it heard of activity in the phase.
+        first: its first layer (a pull moves it left).
+        last: its last layer (a push moves it right).
+        values: reduction phase: its current three values.
+        to_right: gather phase: the entry it forwards to the right (stage -1: none).
+        to_left: gather phase: the entry it forwards to the left.
+    """
+
+    load: float
+    memory: float
+    size: int
+    end: int
+    push: bool
+    relay: bool
+    heard: int
+    first: Layer
+    last: Layer
+    values: tuple[float, float, float]
+    to_right: tuple[float, ...]
+    to_left: tuple[float, ...]
+
+    def encode(self) -> list[float]:
+        """The card as a flat list of floats (see :meth:`decode`)."""
+        head = [self.load, self.memory, self.size, self.end, float(self.push), float(self.relay), self.heard]
+        return [float(x) for x in (*head, *self.first, *self.last, *self.values, *self.to_right, *self.to_left)]
+
+    @classmethod
+    def decode(cls, flat: Sequence[float], width: int) -> Card:
+        """Rebuild a card from :meth:`encode`'s floats, for layers of ``width`` numbers."""
+        v = [float(x) for x in flat]
+        entry = _entry_width(width)
+        cut = list(accumulate([7, width, width, 3, entry, entry]))
+        if len(v) != cut[-1]:
+            raise ValueError(f"a diffusion card of layers of {width} numbers has {cut[-1]} floats, got {len(v)}")
+        return cls(v[0], v[1], int(v[2]), int(v[3]), v[4] != 0, v[5] != 0, int(v[6]), tuple(v[cut[0] : cut[1]]),
+                   tuple(v[cut[1] : cut[2]]), (v[cut[2]], v[cut[2] + 1], v[cut[2] + 2]), tuple(v[cut[3] : cut[4]]),
+                   tuple(v[cut[4] :]))  # fmt: skip
+
+
+def card_width(width: int) -> int:
+    """Floats in a card for layers of ``width`` numbers."""
+    return 7 + 2 * width + 3 + 2 * _entry_width(width)
+
+
+def _entry_width(width: int) -> int:
+    return 2 + 3 * width  # stage, size, sums over the new, the received and the old layers
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    """One stage's result, as every stage learns it in the gather phase.
+
+    Attributes:
+        size: its layer count in the new split.
+        new: sums of each layer number (cost, memory, extras) over its new layers.
+        received: the same sums over the layers it did not hold before (what migration sends it).
+        old: the same sums over the layers it held before.
+    """
+
+    size: int
+    new: tuple[float, ...]
+    received: tuple[float, ...]
+    old: tuple[float, ...]
+
+    @classmethod
+    def from_entry(cls, entry: Sequence[float], width: int) -> StageOutcome:
+        """Read a gather entry ``(stage, size, *new, *received, *old)``."""
+        sums = entry[2:]
+        return cls(int(entry[1]), tuple(sums[:width]), tuple(sums[width : 2 * width]), tuple(sums[2 * width :]))
+
+
+Neighbours = tuple[Card | None, Card | None]
+
+
+def _fold(values: Iterable[float]) -> float:
+    """Left-to-right float sum: a block's sum plus its next layer IS the longer block's sum, bit for bit.
+
+    So the left neighbour's test "my load plus your first layer fits" equals the test on the block it will hold, and
+    both neighbours decide it alike from the card. Rounded addition is monotone in both arguments, so a block's sum
+    never falls when it grows at either end: the greedy argument holds for these sums as for exact ones.
+    """
+    total = 0.0
+    for x in values:
+        total += x
+    return total
+
+
+_Op = Callable[[float, float], float]
+
+
+class DiffusionStage:
+    """The protocol as ONE pipeline stage runs it: a state machine that emits a card and consumes its neighbours'.
+
+    Drive it round by round: send :attr:`card` to both neighbours, then call :meth:`step` with the cards the left
+    and right neighbour sent in the same round (``None`` where there is no neighbour). When :attr:`card` is
+    ``None`` the stage is done: :attr:`outcome` holds every stage's :class:`StageOutcome` (all stages finish in the
+    same round). The stage never sees another stage's layers but the first/last one a neighbour shows on its card.
+
+    Args:
+        stage: its index in the pipeline.
+        n_stages: stages of the pipeline.
+        first: model index of its first layer.
+        layers: its layers, ``(cost, memory, *extras)`` each, all of the same length (at least 2).
+        n_layers: layers of the model.
+        capacity: memory a stage may hold (the same for all stages).
+    """
+
+    def __init__(
+        self, stage: int, n_stages: int, first: int, layers: Sequence[Sequence[float]], *, n_layers: int,
+        capacity: float = math.inf,
+    ) -> None:  # fmt: skip
+        records = [tuple(float(x) for x in layer) for layer in layers]
+        if not records or len({len(r) for r in records}) != 1 or len(records[0]) < 2:
+            raise ValueError("a diffusion stage needs at least one layer, each (cost, memory, *extras) of one length")
+        self.stage, self.n_stages, self.n_layers, self.capacity = stage, n_stages, n_layers, capacity
+        self.first, self.layers, self.width = first, records, len(records[0])
+        self._old = (first, first + len(records), self._sums(records))
+        #: Phase of the round :attr:`card` is for; the bound the stage works against (``None`` before the search).
+        self.phase, self.bound = REDUCE, None
+        self.rounds = self.probes = 0
+        self.outcome: list[StageOutcome] | None = None
+        self._right_first: Layer | None = None
+        self._program = self._run()
+        self.card: Card | None = next(self._program, None)
+
+    @property
+    def end(self) -> int:
+        """Model index after its last layer."""
+        return self.first + len(self.layers)
+
+    def step(self, left: Card | None, right: Card | None) -> None:
+        """Take in the round's cards from the left and right neighbour and advance one round."""
+        if self.card is None:
+            raise RuntimeError(f"diffusion stage {self.stage} has finished; it takes no more rounds")
+        self.rounds += 1
+        if right is not None:
+            self._right_first = right.first
+        try:
+            self.card = self._program.send((left, right))
+        except StopIteration:
+            self.card = None
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def _run(self) -> Generator[Card, Neighbours, None]:
+        if self.n_stages > 1:
+            largest = max(layer[0] for layer in self.layers)
+            largest, current, _ = yield from self._allreduce((largest, self._load(), 0.0), (max, max, max))
+            # The largest layer is a lower bound; the current bottleneck a feasible first guess.
+            search, feasible = BoundSearch(largest, (current,)), False
+            # Every stage's copy of the search sees the same all-reduced values: all propose the same bounds.
+            while not search.done:
+                self.bound, self.probes = search.point(), self.probes + 1
+                yield from self._settle()
+                worst, grown, fits = yield from self._allreduce(self._report(), (max, min, min))
+                feasible = bool(fits)
+                search.record(feasible, worst if feasible else grown)
+            # A feasible last probe left T(bound) = T(its bottleneck) = T(optimum); otherwise settle there.
+            if not feasible:
+                self.bound = search.hi
+                yield from self._settle()
+        self.outcome = yield from self._gather()
+
+    def _settle(self) -> Generator[Card, Neighbours, None]:
+        yield from self._phase(PUSH)
+        yield from self._phase(PULL)
+
+    def _allreduce(self, value: tuple[float, ...], ops: tuple[_Op, ...]) -> Generator[Card, Neighbours, tuple]:
+        """Combine with both neighbours' values every round; after ``P - 1`` rounds every stage holds the result."""
+        self.phase = REDUCE
+        for _ in range(self.n_stages - 1):
+            left, right = yield self._card(values=value)
+            lv, rv = (left.values if left else value), (right.values if right else value)
+            value = tuple(op(op(a, b), c) for op, a, b, c in zip(ops, lv, value, rv, strict=True))
+        return value
+
+    def _phase(self, kind: str) -> Generator[Card, Neighbours, None]:
+        """One push or pull phase, until the stage detects (with all others, in the same round) that it is over."""
+        self.phase = kind
+        heard, asked = self.rounds, None  # latest activity heard of; the layer the left neighbour asked for
+        while True:
+            now = self.rounds + 1
+            turn = now % 2
+            if kind == PUSH:
+                active = self.stage < self.n_stages - 1 and not self._fits()
+                left, right = yield self._card(push=active, heard=heard)
+                if active and self.stage % 2 == turn:
+                    self.layers.pop()
+                if left is not None and left.push and (self.stage - 1) % 2 == turn:
+                    self.layers.insert(0, left.last)
+                    self.first -= 1
+            else:
+                mine = self._card(relay=len(self.layers) == 1 and asked == self.first, heard=heard)
+                left, right = yield mine
+                active = right is not None and self._wants(mine, self.stage, right.first)
+                by_left = left is not None and self._wants(left, self.stage - 1, mine.first)
+                asked = left.end if left is not None and by_left else None
+                if right is not None and active and self.stage % 2 == turn and right.size >= 2:
+                    self.layers.append(right.first)
+                if by_left and (self.stage - 1) % 2 == turn and mine.size >= 2:
+                    self.layers.pop(0)
+                    self.first += 1
+            news = [now if active else heard, *(c.heard for c in (left, right) if c is not None)]
+            heard = max(news)
+            if heard < now - (self.n_stages - 1):
+                return
+
+    def _gather(self) -> Generator[Card, Neighbours, list[StageOutcome]]:
+        """Pipeline one entry per stage along the chain both ways: ``P - 1`` rounds, one entry per card and way."""
+        self.phase = GATHER
+        mine = self._entry()
+        table, blank = {self.stage: mine}, (-1.0,) + (0.0,) * (len(mine) - 1)
+        for k in range(1, self.n_stages):
+            out = {"to_right": table.get(self.stage - k + 1, blank), "to_left": table.get(self.stage + k - 1, blank)}
+            left, right = yield self._card(**out)
+            for entry in (left.to_right if left else blank, right.to_left if right else blank):
+                if entry[0] >= 0:
+                    table[int(entry[0])] = entry
+        return [StageOutcome.from_entry(table[s], self.width) for s in range(self.n_stages)]
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def _load(self) -> float:
+        return _fold(layer[0] for layer in self.layers)
+
+    def _memory(self) -> float:
+        return _fold(layer[1] for layer in self.layers)
+
+    def _fits(self) -> bool:
+        assert self.bound is not None
+        return self._load() <= self.bound and self._memory() <= self.capacity
+
+    def _wants(self, card: Card, stage: int, nxt: Layer) -> bool:
+        """Whether ``stage`` (showing ``card``) asks for the next layer ``nxt``: both neighbours decide it alike."""
+        assert self.bound is not None
+        if card.end >= self.n_layers - (self.n_stages - 1 - stage):
+            return False  # every later stage still needs one layer
+        if card.relay:
+            return True  # relay: its only layer goes left, so it takes one from the right first
+        return card.load + nxt[0] <= self.bound and card.memory + nxt[1] <= self.capacity
+
+    def _report(self) -> tuple[float, float, float]:
+        """This stage's share of a probe's outcome: load, least bound that would change its state, fits.
+
+        A stage the bound stopped changes once the bound admits its next layer; the last stage, which holds what
+        is left, once the bound admits its whole load. Memory-stopped stages never change with the bound.
+        """
+        load, memory = self._load(), self._memory()
+        if self.stage == self.n_stages - 1:
+            change = load if memory <= self.capacity else math.inf
+        else:
+            assert self._right_first is not None
+            nxt = self._right_first
+            change = load + nxt[0] if memory + nxt[1] <= self.capacity else math.inf
+        return load, change, float(self._fits())
+
+    @staticmethod
+    def _sums(layers: Sequence[Layer]) -> tuple[float, ...]:
+        return tuple(math.fsum(column) for column in zip(*layers, strict=True))
+
+    def _entry(self) -> tuple[float, ...]:
+        start, stop, old = self._old
+        got = [layer for i, layer in enumerate(self.layers, self.first) if not start <= i < stop]
+        nothing = (0.0,) * self.width
+        received = self._sums(got) if got else nothing
+        return (float(self.stage), float(len(self.layers)), *self._sums(self.layers), *received, *old)
+
+    def _card(self, *, push: bool = False, relay: bool = False, heard: int = 0,
+              values: tuple[float, ...] = (0.0, 0.0, 0.0), to_right: tuple[float, ...] | None = None,
+              to_left: tuple[float, ...] | None = None) -> Card:  # fmt: skip
+        blank = (-1.0,) + (0.0,) * (_entry_width(self.width) - 1)
+        first, last, three = self.layers[0], self.layers[-1], (values[0], values[1], values[2])
+        return Card(self._load(), self._memory(), len(self.layers), self.end, push, relay, heard, first, last, three,
+                    to_right or blank, to_left or blank)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -58,9 +363,11 @@ class DiffusionResult:
 
     Attributes:
         layers_per_stage: final split.
-        rounds: synchronous rounds used (layer exchanges, message-only rounds and all-reduce rounds).
+        rounds: synchronous rounds used (layer exchanges, message-only rounds, reduction and gather rounds).
         bottleneck: largest stage load of the final split.
         converged: whether the protocol finished within ``max_rounds``.
+        probes: bounds the search probed (``K`` of :func:`round_bound`).
+        message_bytes: bytes one stage sends in a round to one neighbour (one card).
 
     """
 
@@ -68,6 +375,8 @@ class DiffusionResult:
     rounds: int
     bottleneck: float
     converged: bool
+    probes: int = 0
+    message_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,7 +385,7 @@ class DiffusionRound:
 
     Attributes:
         index: round number, from 1; boundary ``p`` may move only in rounds with ``index % 2 == p % 2``.
-        phase: ``"reduce"`` (all-reduce over neighbour links), ``"push"`` or ``"pull"``.
+        phase: ``"reduce"`` (all-reduce over neighbour links), ``"push"``, ``"pull"`` or ``"gather"``.
         bound: the bottleneck bound the stages work against, or ``None`` before they have agreed on one.
         layers_per_stage: split after the round.
 
@@ -88,178 +397,73 @@ class DiffusionRound:
     layers_per_stage: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class _View:
-    """All one stage may look at in one round."""
+def round_bound(n_layers: int, n_stages: int, probes: int) -> int:
+    """The most rounds the protocol takes for ``probes`` probes (tested: ``tests/balance/test_balance_diffusion.py``).
 
-    stage: int
-    first: int  # model index of its first layer
-    costs: tuple[float, ...]  # its own layers
-    memory: tuple[float, ...]
-    next_cost: float | None  # right neighbour's first layer (None for the last stage)
-    next_memory: float | None
-    right_size: int  # right neighbour's layer count
-    left_want: int | None  # layer the left neighbour asked for in the previous round
-
-    @property
-    def end(self) -> int:
-        return self.first + len(self.costs)
-
-
-@dataclass(frozen=True)
-class _Rules:
-    """One stage's decisions; ``bound`` is that stage's own copy of the agreed bound."""
-
-    bound: float
-    capacity: float
-    n_layers: int
-    n_stages: int
-
-    def fits(self, costs: Sequence[float], memory: Sequence[float]) -> bool:
-        return math.fsum(costs) <= self.bound and math.fsum(memory) <= self.capacity
-
-    def pushes(self, view: _View) -> bool:
-        return view.next_cost is not None and not self.fits(view.costs, view.memory)
-
-    def wants(self, view: _View) -> bool:
-        if view.next_memory is None or view.next_cost is None:
-            return False
-        if view.end >= self.n_layers - (self.n_stages - 1 - view.stage):
-            return False  # every later stage still needs one layer
-        if len(view.costs) == 1 and view.left_want == view.first:
-            return True  # relay: our only layer goes left, so take one from the right first
-        return self.fits((*view.costs, view.next_cost), (*view.memory, view.next_memory))
-
-    def report(self, view: _View) -> tuple[float, float, bool]:
-        """Return this stage's share of a probe's outcome: load, least bound that would change its state, fits.
-
-        A stage the bound stopped changes once the bound admits its next layer; the last stage, which holds what
-        is left, once the bound admits its whole load. Memory-stopped stages never change with the bound.
-        """
-        if view.next_memory is None or view.next_cost is None:
-            costs, memory = view.costs, view.memory
-        else:
-            costs, memory = (*view.costs, view.next_cost), (*view.memory, view.next_memory)
-        change = math.fsum(costs) if math.fsum(memory) <= self.capacity else math.inf
-        return math.fsum(view.costs), change, self.fits(view.costs, view.memory)
+    Why. A phase ends ``P`` rounds after its last activity, and activity never resumes after a quiet round (nothing
+    changed, so nothing becomes active). Push phase: an active stage stays active until it pushes (its load only
+    grows before that) and pushes within two rounds, so it lasts at most ``P + 2 m``. Pull phase: while the split
+    is not ``T(B)`` a request reaches a stage with two or more layers within ``P - 1`` relays and is granted within
+    two more rounds, so it lasts at most ``P + (P + 2)(m + 1)``. Each boundary moves one way in a phase, so
+    ``m <= (P - 1)(L - P)`` moves. Reductions: one per probe plus the first; the gather: one; ``P - 1`` rounds each.
+    At most ``probes + 1`` settles. Worst case ``O(K P^2 L)``; in practice about ``3 P`` rounds per probe plus the
+    layer moves.
+    """
+    p, moves = n_stages, (n_stages - 1) * (n_layers - n_stages)
+    if p == 1:
+        return 0
+    settle = (p + 2 * moves) + (p + (p + 2) * (moves + 1))
+    return (probes + 2) * (p - 1) + (probes + 1) * settle
 
 
-Combine = Callable[[tuple, tuple, tuple], tuple]
+def probe_bound(current: float, largest: float, gap: float) -> int:
+    """The most probes the search takes from a feasible current bottleneck, for block sums at least ``gap`` apart.
+
+    The first probe is the current bottleneck; every later one at least halves ``hi - lo`` (both ends are block
+    sums), and two block sums closer than ``gap`` are equal.
+    """
+    spread = max(current - largest, 0.0) / gap
+    return 2 + (math.ceil(math.log2(spread)) if spread > 1 else 0)
 
 
-def _combiner(*ops: Callable[[object, object], object]) -> Combine:
-    def combine(left: tuple, own: tuple, right: tuple) -> tuple:
-        return tuple(op(op(a, b), c) for op, a, b, c in zip(ops, left, own, right, strict=True))
-
-    return combine
-
-
-class _Pipeline:
-    """The simulator: where the layers are and the round clock; every decision sees only a :class:`_View`."""
-
-    def __init__(self, costs: list[float], memory: list[float], capacity: float, sizes: list[int]) -> None:
-        self.costs, self.memory, self.capacity = costs, memory, capacity
-        self.ends = list(accumulate(sizes))
-        self.n_stages, self.n_layers = len(sizes), len(costs)
-        self.round = 0
-
-    def _view(self, stage: int, left_want: int | None) -> _View:
-        start = self.ends[stage - 1] if stage else 0
-        end = self.ends[stage]
-        last = stage == self.n_stages - 1
-        return _View(
-            stage=stage,
-            first=start,
-            costs=tuple(self.costs[start:end]),
-            memory=tuple(self.memory[start:end]),
-            next_cost=None if last else self.costs[end],
-            next_memory=None if last else self.memory[end],
-            right_size=0 if last else self.ends[stage + 1] - end,
-            left_want=left_want,
-        )
-
-    def _views(self, wants: Sequence[int | None]) -> list[_View]:
-        return [self._view(stage, wants[stage - 1] if stage else None) for stage in range(self.n_stages)]
-
-    def _tick(self, phase: str, bound: float | None) -> DiffusionRound:
-        self.round += 1
-        sizes = (b - a for a, b in zip([0, *self.ends[:-1]], self.ends, strict=True))
-        return DiffusionRound(self.round, phase, bound, tuple(sizes))
-
-    def allreduce(
-        self, values: list[tuple], combine: Combine, bound: float | None
-    ) -> Generator[DiffusionRound, None, list[tuple]]:
-        """Every stage combines its value with its neighbours' each round; after ``P - 1`` rounds all agree."""
-        last = self.n_stages - 1
-        for _ in range(last):
-            values = [
-                combine(values[max(stage - 1, 0)], values[stage], values[min(stage + 1, last)])
-                for stage in range(self.n_stages)
-            ]
-            yield self._tick(REDUCE, bound)
-        return values
-
-    def phase(self, phase: str, rules: list[_Rules]) -> Iterator[DiffusionRound]:
-        """Run one push or pull phase until every stage detects that it is over."""
-        n, last = self.n_stages, self.n_stages - 1
-        heard = [self.round] * n  # latest round with activity each stage knows of; none yet this phase
-        sent: list[int | None] = [None] * n  # requests sent last round: the layer asked for
-        while True:
-            turn = (self.round + 1) % 2
-            views = self._views(sent)
-            if phase == PUSH:
-                active = [rule.pushes(view) for rule, view in zip(rules, views, strict=True)]
-                steps = [-1 if active[p] and p % 2 == turn else 0 for p in range(last)]
-            else:
-                active = [rule.wants(view) for rule, view in zip(rules, views, strict=True)]
-                steps = [1 if active[p] and p % 2 == turn and views[p].right_size >= 2 else 0 for p in range(last)]
-                sent = [view.end if want else None for view, want in zip(views, active, strict=True)]
-            for boundary, step in enumerate(steps):
-                self.ends[boundary] += step
-            now = self.round + 1
-            heard = [
-                max(now if active[p] else heard[p], heard[max(p - 1, 0)], heard[min(p + 1, last)]) for p in range(n)
-            ]
-            yield self._tick(phase, rules[0].bound)
-            over = [latest < now - last for latest in heard]
-            if any(over):
-                assert all(over), "stages disagree on the end of a phase"
-                return
-
-    def run(self) -> Iterator[DiffusionRound]:
-        """Run the whole protocol: agree on starting facts, search the bound by settling, settle on the optimum."""
-        views = self._views([None] * self.n_stages)
-        facts = yield from self.allreduce(
-            [(max(view.costs), math.fsum(view.costs)) for view in views], _combiner(max, max), None
-        )
-        # Per stage: the largest layer is a lower bound; the current bottleneck a feasible first guess.
-        searches = [BoundSearch(largest, (current,)) for largest, current in facts]
-        feasible = False
-        # Every copy of the search sees the same all-reduced values, so all propose the same bounds and end together.
-        while not searches[0].done:
-            rules = self._rules([search.point() for search in searches])
-            yield from self._settle(rules)
-            views = self._views([None] * self.n_stages)
-            outcome = yield from self.allreduce(
-                [rule.report(view) for rule, view in zip(rules, views, strict=True)],
-                _combiner(max, min, operator.and_),
-                rules[0].bound,
-            )
-            for search, (worst, grown, feasible) in zip(searches, outcome, strict=True):
-                search.record(feasible, worst if feasible else grown)
-        # A feasible last probe left T(bound) = T(its bottleneck) = T(optimum); otherwise settle there.
-        if not feasible:
-            yield from self._settle(self._rules([search.hi for search in searches]))
-
-    def _rules(self, bounds: Sequence[float]) -> list[_Rules]:
-        return [_Rules(bound, self.capacity, self.n_layers, self.n_stages) for bound in bounds]
-
-    def _settle(self, rules: list[_Rules]) -> Iterator[DiffusionRound]:
-        yield from self.phase(PUSH, rules)
-        yield from self.phase(PULL, rules)
+def stage_layers(
+    costs: Sequence[float],
+    layers_per_stage: Sequence[int],
+    memory: Sequence[float] | None = None,
+    extras: Sequence[Sequence[float]] = (),
+) -> list[list[Layer]]:
+    """Each stage's layers ``(cost, memory, *extras)`` under a split (what each stage knows of its own layers)."""
+    columns = [costs, memory if memory is not None else [0.0] * len(costs), *extras]
+    rows = [tuple(float(c[i]) for c in columns) for i in range(len(costs))]
+    ends = list(accumulate(layers_per_stage))
+    return [rows[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
-def _shared_capacity(capacities: Sequence[float] | None) -> float:
+def start_stages(layers: Sequence[Sequence[Layer]], capacity: float = math.inf) -> list[DiffusionStage]:
+    """One :class:`DiffusionStage` per stage of a split given by each stage's layers (the in-memory driver's)."""
+    n_layers, firsts = sum(len(x) for x in layers), [0, *accumulate(len(x) for x in layers)]
+    return [
+        DiffusionStage(s, len(layers), firsts[s], own, n_layers=n_layers, capacity=capacity)
+        for s, own in enumerate(layers)
+    ]
+
+
+def drive(stages: Sequence[DiffusionStage]) -> Iterator[DiffusionRound]:
+    """Run stages to the end in one process: every round each stage's card reaches its neighbours in memory."""
+    last, index = len(stages) - 1, 0
+    while stages[0].card is not None:
+        cards = [stage.card for stage in stages]
+        phase, bound = stages[0].phase, stages[0].bound
+        for s, stage in enumerate(stages):
+            stage.step(cards[s - 1] if s else None, cards[s + 1] if s < last else None)
+        index += 1
+        done = [stage.card is None for stage in stages]
+        assert all(done) or not any(done), "stages disagree on the end of the protocol"
+        yield DiffusionRound(index, phase, bound, tuple(len(stage.layers) for stage in stages))
+
+
+def shared_capacity(capacities: Sequence[float] | None) -> float:
+    """The one memory capacity all stages share (``inf`` for none); the protocol cannot take per-stage ones."""
     if capacities is None:
         return math.inf
     distinct = set(capacities)
@@ -272,6 +476,21 @@ def _shared_capacity(capacities: Sequence[float] | None) -> float:
     return distinct.pop()
 
 
+def _stages(
+    costs: Sequence[float],
+    layers_per_stage: Sequence[int],
+    memory: Sequence[float] | None,
+    capacity: float | Sequence[float] | None,
+) -> list[DiffusionStage]:
+    values = as_values(costs, "costs")
+    sizes = validate_partition(layers_per_stage, values.size)
+    limits = as_capacities(memory, capacity, values.size, len(sizes))
+    shared = shared_capacity(None if limits is None else limits[1].tolist())
+    require_memory_fit(limits, values.size, len(sizes))
+    layer_memory = None if limits is None else limits[0].tolist()
+    return start_stages(stage_layers(values.tolist(), sizes, layer_memory), shared)
+
+
 def diffusion_rounds(
     costs: Sequence[float],
     layers_per_stage: Sequence[int],
@@ -279,7 +498,7 @@ def diffusion_rounds(
     memory: Sequence[float] | None = None,
     capacity: float | Sequence[float] | None = None,
 ) -> Iterator[DiffusionRound]:
-    """Run the neighbour-only protocol round by round (see the module docstring).
+    """Run the neighbour-only protocol round by round in one process (see the module docstring).
 
     Arguments are checked before the first round, when this function is called.
 
@@ -298,15 +517,7 @@ def diffusion_rounds(
         InfeasibleMemoryError: if no split respects the capacity.
 
     """
-    values = as_values(costs, "costs")
-    sizes = validate_partition(layers_per_stage, values.size)
-    limits = as_capacities(memory, capacity, values.size, len(sizes))
-    shared = _shared_capacity(None if limits is None else limits[1].tolist())
-    require_memory_fit(limits, values.size, len(sizes))
-    layer_memory = [0.0] * values.size if limits is None else limits[0].tolist()
-    if len(sizes) == 1:
-        return iter(())
-    return _Pipeline(values.tolist(), layer_memory, shared, sizes).run()
+    return drive(_stages(costs, layers_per_stage, memory, capacity))
 
 
 def diffuse(
@@ -317,16 +528,13 @@ def diffuse(
     memory: Sequence[float] | None = None,
     capacity: float | Sequence[float] | None = None,
 ) -> DiffusionResult:
-    """Re-balance a split by the decentralised neighbour-only diffusion protocol.
+    """Re-balance a split by the decentralised neighbour-only diffusion protocol, simulated in one process.
 
-    Guarantee: the protocol always finishes, and it finishes on an optimal split - the bottleneck equals that of
-    ``partition(costs, n, method="optimal")``, and the split is the same lexicographically largest one (exactly
-    for integer-valued costs; for general floats up to rounding, since stages add their own layers with
-    :func:`math.fsum` while the central planner uses prefix sums). The argument is in the module docstring: for
-    each probed bound the push and pull phases end exactly at the greedy split ``T(B)``, whose last stage fits iff
-    the bound is feasible, and the stages share one exact bound search. Rounds: each settle costs its layer moves
-    plus about ``2P`` detection rounds, each probe ``P - 1`` more all-reduce rounds, and the search needs a few
-    probes per bit of precision separating the optimum from the next block sum.
+    Guarantee (exact): the protocol always finishes, and it finishes on an optimal split - the bottleneck equals
+    that of ``partition(costs, n, method="optimal")``, and the split is the same lexicographically largest one
+    (exactly for integer-valued costs; for general floats up to rounding, since stages add their own layers
+    left to right while the central planner uses prefix sums). The argument is in the module docstring; the
+    rounds are bounded by :func:`round_bound`.
 
     Intermediate rounds are planning state: a relayed request can leave a stage above the bound (or the capacity)
     for a few rounds. Only the final split is meant to be applied.
@@ -339,7 +547,7 @@ def diffuse(
         capacity: memory one stage may hold; the protocol needs one value shared by all stages.
 
     Returns:
-        The final split, the rounds used, its bottleneck and whether the protocol finished.
+        The final split, the rounds used, its bottleneck, whether the protocol finished, the probes and card size.
 
     Raises:
         ValueError: on invalid arguments, a negative ``max_rounds``, or capacities that differ between stages.
@@ -348,7 +556,8 @@ def diffuse(
     """
     if max_rounds is not None and (isinstance(max_rounds, bool) or operator.index(max_rounds) < 0):
         raise ValueError(f"max_rounds must be None or an integer >= 0, got {max_rounds!r}")
-    steps = diffusion_rounds(costs, layers_per_stage, memory=memory, capacity=capacity)
+    stages = _stages(costs, layers_per_stage, memory, capacity)
+    steps = drive(stages)
     sizes = validate_partition(layers_per_stage, len(costs))
     rounds = 0
     while max_rounds is None or rounds < max_rounds:
@@ -360,4 +569,5 @@ def diffuse(
         sizes = list(step.layers_per_stage)
     else:
         converged = next(steps, None) is None
-    return DiffusionResult(sizes, rounds, bottleneck(costs, sizes), converged)
+    width = 8 * card_width(stages[0].width) if len(stages) > 1 else 0
+    return DiffusionResult(sizes, rounds, bottleneck(costs, sizes), converged, stages[0].probes, width)

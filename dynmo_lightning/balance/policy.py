@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from dynmo_lightning.balance.cost_model import should_repartition, stage_times, step_time
-from dynmo_lightning.balance.diffusion import diffuse
+from dynmo_lightning.balance.cost_model import repartition_pays, stage_times, step_time
+from dynmo_lightning.balance.diffusion import DiffusionStage, StageOutcome, diffuse, shared_capacity
 from dynmo_lightning.balance.layout import bytes_moved
 from dynmo_lightning.balance.partition import partition
 from dynmo_lightning.balance.repack import best_split, plan_repack
@@ -265,18 +266,45 @@ class BalancePolicy:
             return result.layers_per_stage, {"diffusion_rounds": result.rounds}
         return partition(self.tracker.compute, n_stages, method="optimal", memory=memory, capacity=capacity), {}
 
-    def decide(self, pipe: PipelineShape) -> list[Decision]:
+    def diffusion_stage(self, pipe: PipelineShape, stage: int) -> DiffusionStage:
+        """Pipeline stage ``stage``'s machine of the diffusion protocol, from the tracked numbers of its OWN layers.
+
+        Each layer travels as ``(compute, memory, fwd, bwd, bytes)``: the protocol balances the compute and keeps
+        the memory within the capacity; the rest rides along so that the keep / migrate decision can be taken from
+        per-stage sums (:meth:`decide` with ``planned``).
+        """
+        assert self.tracker is not None
+        first = sum(pipe.layers_per_stage[:stage])
+        own = range(first, first + pipe.layers_per_stage[stage])
+        v, memory, capacity = self.tracker.values, *self._memory(pipe)
+        compute, moving = self.tracker.compute, self.layer_bytes()
+        mem = [0.0] * len(compute) if memory is None else memory
+        layers = [(compute[i], mem[i], v["fwd"][i], v["bwd"][i], moving[i]) for i in own]
+        shared = None if capacity is None else [capacity] if isinstance(capacity, (int, float)) else capacity
+        limit = shared_capacity(shared)
+        return DiffusionStage(stage, pipe.n_stages, first, layers, n_layers=len(compute), capacity=limit)
+
+    def decide(
+        self, pipe: PipelineShape, planned: Sequence[StageOutcome] | None = None, info: dict[str, Any] | None = None
+    ) -> list[Decision]:
         """Run a check: ``[keep or migrate]``, followed by a repack when ``repack`` finds one.
 
         Args:
             pipe: the pipeline now.
+            planned: the outcome of the diffusion protocol run between the pipeline neighbours (stages built by
+                :meth:`diffusion_stage`): the split is its sizes, and keep / migrate is decided from its per-stage
+                sums alone. ``None``: plan here with ``method``.
+            info: numbers of that run to keep with the decision (rounds, bytes).
 
         Returns:
             The decisions, to be carried out in order (a repack plans from the split after the migration).
         """
         self.full_stages = max(self.full_stages, pipe.n_ranks + pipe.waiting)
-        proposed, info = self.plan(pipe)
-        decision = self._migration(pipe, proposed, info)
+        if planned is None:
+            proposed, info = self.plan(pipe)
+        else:
+            proposed, info = [o.size for o in planned], dict(info or {})
+        decision = self._migration(pipe, proposed, info, planned)
         self.planned_once = True
         self.after_event = None
         decisions = [decision]
@@ -324,27 +352,30 @@ class BalancePolicy:
             GROW, list(pipe.layers_per_stage), split, None, now, t, info={"admit": len(split) - pipe.n_stages}
         )
 
-    def _migration(self, pipe: PipelineShape, proposed: list[int], info: dict[str, Any]) -> Decision:
+    def _migration(
+        self, pipe: PipelineShape, proposed: list[int], info: dict[str, Any], planned: Sequence[StageOutcome] | None
+    ) -> Decision:
+        """Keep or migrate (:func:`~dynmo_lightning.balance.cost_model.should_repartition`'s rule).
+
+        With ``planned`` (the diffusion protocol's outcome) only per-stage sums are used: each stage's forward and
+        backward time before and after, and the bytes each stage receives - scalars per stage, no layer's cost.
+        """
         current = list(pipe.layers_per_stage)
         if self.method in ("random", "params") or proposed == current:
             return Decision(MIGRATE if proposed != current else KEEP, current, proposed, info=info)
         assert self.tracker is not None
-        v = self.tracker.values
-        moved = bytes_moved(current, proposed, self.layer_bytes(), pipe.n_ranks)
+        if planned is None:
+            v = self.tracker.values
+            before, after = (stage_times(v["fwd"], v["bwd"], split) for split in (current, proposed))
+            moved = bytes_moved(current, proposed, self.layer_bytes(), pipe.n_ranks)
+        else:  # sums over (compute, memory, fwd, bwd, bytes), see diffusion_stage
+            before = ([o.old[2] for o in planned], [o.old[3] for o in planned])
+            after = ([o.new[2] for o in planned], [o.new[3] for o in planned])
+            moved = math.fsum(o.received[4] for o in planned)
         seconds = moved / self.bandwidth + self.migration_overhead
-        go, saving = should_repartition(
-            v["fwd"],
-            v["bwd"],
-            current,
-            proposed,
-            n_microbatches=pipe.n_microbatches,
-            schedule=pipe.cost_schedule,
-            p2p=self.p2p,
-            steps_until_next_check=self.every_n_steps,
-            migration_cost=seconds,
-            min_gain=self.min_gain if self.method != "static_time" else 0.0,
-        )
-        now, new = (self._step_time(pipe, split) for split in (current, proposed))
+        now, new = (step_time(*t, pipe.n_microbatches, pipe.cost_schedule, self.p2p) for t in (before, after))
+        min_gain = self.min_gain if self.method != "static_time" else 0.0
+        go, saving = repartition_pays(now, new, self.every_n_steps, seconds, min_gain)
         return Decision(MIGRATE if go else KEEP, current, proposed, None, now, new, moved, seconds, saving, info)
 
     def _repack(self, pipe: PipelineShape) -> Decision | None:

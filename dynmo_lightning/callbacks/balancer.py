@@ -6,6 +6,10 @@ measurements are gathered to all processes and smoothed (:class:`~dynmo_lightnin
 migrates only when the pipeline cost model predicts that the time saved until the next check exceeds the predicted
 migration time, and the relative step-time gain exceeds ``min_gain``. Every process computes the same decision from
 the same gathered numbers, so no extra agreement round is needed.
+
+With ``method="diffusion"`` the plan and the keep / migrate decision need no gathered costs: each stage runs its
+share of the neighbour protocol from its own layers' costs (:mod:`~dynmo_lightning.pipeline.neighbours`), and the
+decision is taken from per-stage sums the stages pass along the chain.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ class DynMoBalancer(Callback):
     Args:
         every_n_steps: optimizer steps between balance checks.
         method: ``"optimal"`` (exact min-max split of measured costs, every check), ``"diffusion"`` (the neighbour
-            protocol of :func:`~dynmo_lightning.balance.diffuse`, simulated on every process from the gathered costs,
-            every check), ``"static_time"`` (plan once from the first profile, never again, like torchgpipe's
-            balance_by_time), ``"params"`` (balance parameter counts once, like DeepSpeed), or ``"random"`` (a random
-            split at every check; for testing that migration never changes the math).
+            protocol of :mod:`~dynmo_lightning.balance.diffusion`, run at every check between the pipeline
+            neighbours with point-to-point messages, each stage knowing its own layers' costs only; it ends on the
+            same optimal split; with ``stages_per_rank > 1`` it is simulated on every process), ``"static_time"``
+            (plan once from the first profile, never again, like torchgpipe's balance_by_time), ``"params"``
+            (balance parameter counts once, like DeepSpeed), or ``"random"`` (a random split at every check; for
+            testing that migration never changes the math).
         min_gain: minimum predicted relative step-time improvement for a migration.
         warmup_steps: steps before profiling starts (the first steps include one-off set-up work).
         profile_every_n_steps: profile one step in this many (default: every ``every_n_steps // 5`` steps, at least
@@ -201,7 +207,15 @@ class DynMoBalancer(Callback):
 
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: PipelineControl) -> None:
         t0 = time.perf_counter()
-        decisions = self.policy.decide(self._shape(strategy))
+        shape = self._shape(strategy)
+        if self.method == "diffusion" and strategy.stages_per_rank == 1 and strategy.pp_size > 1:
+            # Between neighbours: each stage plans from its own layers' costs; no per-layer cost is gathered.
+            run = strategy.run_neighbours(lambda stage: self.policy.diffusion_stage(shape, stage))
+            info = {"diffusion_rounds": run.rounds, "diffusion_probes": run.probes,
+                    "diffusion_bytes": run.bytes_sent, "diffusion_s": run.seconds}  # fmt: skip
+            decisions = self.policy.decide(shape, run.outcome, info)
+        else:
+            decisions = self.policy.decide(shape)
         plan_s = time.perf_counter() - t0
         # Decided once, by global rank 0, for every process of the job: the inputs agree (costs are gathered), but
         # the bandwidth estimate is each process's own timing, and a split decision would deadlock the migration.
@@ -300,6 +314,10 @@ class DynMoBalancer(Callback):
             "balancer/migrate_ms": 1e3 * record["migrate_s"],
             "balancer/imbalance_predicted": balance.imbalance(predicted),
         }
+        if "diffusion_rounds" in record:
+            metrics["balancer/diffusion_rounds"] = float(record["diffusion_rounds"])
+            metrics["balancer/diffusion_bytes"] = float(record["diffusion_bytes"])
+            metrics["balancer/diffusion_ms"] = 1e3 * record["diffusion_s"]
         if self.last_measured is not None:
             last = self.last_measured
             measured_costs = [last[i]["fwd"] + last[i]["bwd"] for i in range(strategy.n_layers)]

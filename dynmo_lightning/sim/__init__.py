@@ -11,6 +11,8 @@ machine (more than a few stages, hundreds of steps, policy A/B at scale) and cro
 * :func:`simulate_layers` - per-layer costs plus a partition; stage sums come from :func:`balance.stage_times`.
 * :func:`simulate_run` - replays a cost trace (:func:`load_trace` reads the profiler's ``costs.jsonl``) under a
   policy of :data:`POLICIES`, migrating and consolidating as the balancer would; :class:`RunResult`.
+* :func:`neighbour_plan_time`, :func:`gather_plan_time` - what planning costs in messages at a given latency: the
+  diffusion protocol's rounds between neighbours vs the centralised all-gather of every layer's costs plus planning.
 
 This package holds no cost model or planner of its own: stage sums, partitions, diffusion, the re-partition rule
 and the repack planner are all :mod:`dynmo_lightning.balance`'s.
@@ -25,6 +27,7 @@ hide the hops (stage ``s`` holds at most ``P - s`` micro-batches in flight): equ
 ``(M + P - 1)(f + b) + 2 (P - 1) p2p + 2 p2p floor((M - 1)(P - 1) / P)``, more than the closed form.
 """
 
+from dynmo_lightning.sim.planning import gather_plan_time, neighbour_plan_time
 from dynmo_lightning.sim.replay import POLICIES, RunResult, simulate_run
 from dynmo_lightning.sim.simulator import SimResult, Task, schedule_order, simulate, simulate_layers
 from dynmo_lightning.sim.traces import check_trace, load_trace, save_trace
@@ -35,7 +38,9 @@ __all__ = [
     "SimResult",
     "Task",
     "check_trace",
+    "gather_plan_time",
     "load_trace",
+    "neighbour_plan_time",
     "save_trace",
     "schedule_order",
     "simulate",

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynmo_lightning.balance import InfeasibleMemoryError, bottleneck, diffuse, partition
-from dynmo_lightning.balance.diffusion import diffusion_rounds
+from dynmo_lightning.balance.diffusion import (
+    Card,
+    card_width,
+    diffusion_rounds,
+    drive,
+    probe_bound,
+    round_bound,
+    stage_layers,
+    start_stages,
+)
 
 PROPERTY = settings(max_examples=200, deadline=None)
 
@@ -128,3 +138,40 @@ def test_invalid_arguments():
         diffuse([1, 1], [1, 1], max_rounds=-1)
     with pytest.raises(InfeasibleMemoryError, match="a single layer 0 needs 5"):
         diffuse([1, 1], [1, 1], memory=[5, 1], capacity=4)
+
+
+@PROPERTY
+@given(started(st.integers(0, 40)))
+def test_rounds_and_probes_stay_within_the_stated_bounds(problem):
+    costs, start = problem
+    result = diffuse(costs, start)
+    assert result.rounds <= round_bound(len(costs), len(start), result.probes)
+    # Integer costs: distinct block sums differ by at least 1.
+    assert result.probes <= probe_bound(bottleneck(costs, start), max(costs), 1.0)
+
+
+def test_rounds_at_scale_stay_far_below_the_bound():
+    rng = random.Random(0)
+    costs = [rng.randint(1, 1000) for _ in range(1000)]
+    start = [16] * 40 + [15] * 24
+    result = diffuse(costs, start)
+    assert result.layers_per_stage == partition(costs, 64)
+    assert result.probes <= probe_bound(bottleneck(costs, start), max(costs), 1.0)
+    assert result.rounds <= round_bound(1000, 64, result.probes)
+
+
+def test_one_stage_sees_only_cards_and_the_cards_round_trip():
+    stages = start_stages(stage_layers([1, 5, 6, 4, 4], [1, 1, 3], extras=[[10, 50, 60, 40, 40]]))
+    card = stages[1].card
+    assert card is not None
+    assert Card.decode(card.encode(), stages[1].width) == card
+    assert len(card.encode()) == card_width(3)
+    for _ in drive(stages):
+        pass
+    outcome = stages[2].outcome
+    assert outcome is not None and outcome == stages[0].outcome  # every stage learns the same table
+    assert [o.size for o in outcome] == partition([1, 5, 6, 4, 4], 3)
+    # Per-stage sums of (cost, memory, extra): what it holds, what it received, what it held.
+    assert [o.new[0] for o in outcome] == [6, 6, 8]
+    assert [o.received[2] for o in outcome] == [50, 60, 0]
+    assert [o.old[0] for o in outcome] == [1, 5, 14]

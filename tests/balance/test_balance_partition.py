@@ -2,44 +2,17 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
 import pytest
+from brute import blocks, brute_force, compositions
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynmo_lightning.balance import METHODS, InfeasibleMemoryError, bottleneck, partition
 
 PROPERTY = settings(max_examples=200, deadline=None)
-
-
-def compositions(n_layers: int, n_stages: int):
-    for cuts in itertools.combinations(range(1, n_layers), n_stages - 1):
-        bounds = (0, *cuts, n_layers)
-        yield [b - a for a, b in itertools.pairwise(bounds)]
-
-
-def blocks(values, sizes):
-    start = 0
-    for size in sizes:
-        yield values[start : start + size]
-        start += size
-
-
-def brute_force(costs, n_stages, memory=None, capacity=None):
-    """(optimal bottleneck, all optimal splits) over feasible splits, or (None, []) if none is feasible."""
-    caps = capacity if isinstance(capacity, list) else [capacity] * n_stages
-    scored = []
-    for sizes in compositions(len(costs), n_stages):
-        if memory is not None and any(sum(m) > cap for m, cap in zip(blocks(memory, sizes), caps, strict=True)):
-            continue
-        scored.append((max(sum(b) for b in blocks(costs, sizes)), sizes))
-    if not scored:
-        return None, []
-    best = min(score for score, _ in scored)
-    return best, [sizes for score, sizes in scored if score == best]
 
 
 @st.composite

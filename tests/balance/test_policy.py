@@ -9,7 +9,9 @@ import pytest
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.balance import BalancePolicy, PipelineShape, bytes_moved, imbalance, layer_owners
+from dynmo_lightning.balance.diffusion import drive
 from dynmo_lightning.pipeline.migration import MigrationStats
+from dynmo_lightning.pipeline.neighbours import NeighbourStats
 from dynmo_lightning.protocol import PipelineControl
 from dynmo_lightning.sim import simulate_run
 
@@ -113,6 +115,13 @@ class TraceStrategy:
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
+
+    def run_neighbours(self, stage_of: Any) -> NeighbourStats:
+        """All stages in this one process, cards passed in memory (the runtime sends them point-to-point)."""
+        stages = [stage_of(s) for s in range(len(self._split))]
+        rounds = sum(1 for _ in drive(stages))
+        assert stages[0].outcome is not None
+        return NeighbourStats(stages[0].outcome, rounds, stages[0].probes, 0, 0.0)
 
     def tie_layers(self, param: Any) -> set[int]:
         return set()

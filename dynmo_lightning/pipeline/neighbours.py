@@ -1,0 +1,88 @@
+"""Diffusion balancing at runtime: one protocol stage per process, cards sent point-to-point to pipeline neighbours.
+
+The protocol itself is pure and lives in :mod:`dynmo_lightning.balance.diffusion` (:class:`DiffusionStage`); this
+room only carries its cards. Every round, each process sends its stage's card (one small float64 tensor) to the
+previous and the next process of its pipeline and receives theirs (``dist.batch_isend_irecv`` on the pipeline
+group), so no process ever sees another stage's layer costs but the boundary layers a neighbour shows. The stages
+end in the same round by themselves; the one collective is a termination check on one scalar (the round count,
+all-reduced with ``MAX``), which turns a disagreement into an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from dynmo_lightning.balance.diffusion import Card, DiffusionStage, StageOutcome, card_width
+from dynmo_lightning.pipeline.layout import PipelineGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class NeighbourStats:
+    """What one process's run of the protocol cost and found.
+
+    Attributes:
+        outcome: every stage's result (the new split and per-stage sums), the same on every process.
+        rounds: synchronous rounds.
+        probes: bounds the search probed.
+        bytes_sent: bytes this process sent (cards to its neighbours).
+        seconds: wall time of the rounds and the termination check.
+    """
+
+    outcome: list[StageOutcome]
+    rounds: int
+    probes: int
+    bytes_sent: int
+    seconds: float
+
+    @property
+    def layers_per_stage(self) -> list[int]:
+        """The split the stages agreed on."""
+        return [o.size for o in self.outcome]
+
+
+def run_stage(stage: DiffusionStage, pipe: PipelineGroup, device: torch.device) -> NeighbourStats:
+    """Drive this process's ``stage`` to the end, exchanging cards with the pipeline neighbours (collective).
+
+    Args:
+        stage: this process's protocol stage (its index is the pipeline rank).
+        pipe: the pipeline.
+        device: where the card tensors live (the process group's device).
+
+    Returns:
+        The outcome and what the run cost.
+
+    Raises:
+        RuntimeError: if the stages did not end in the same round.
+    """
+    if stage.stage != pipe.rank or stage.n_stages != pipe.size:
+        raise ValueError(f"stage {stage.stage} of {stage.n_stages} does not run on pipeline rank {pipe.rank}")
+    t0 = time.perf_counter()
+    peers = [pipe.global_rank(r) if 0 <= r < pipe.size else None for r in (pipe.rank - 1, pipe.rank + 1)]
+    width = card_width(stage.width)
+    sent = 0
+    while stage.card is not None:
+        out = torch.tensor(stage.card.encode(), dtype=torch.float64, device=device)
+        inbox = [torch.empty(width, dtype=torch.float64, device=device) if p is not None else None for p in peers]
+        ops = []
+        for peer, buffer in zip(peers, inbox, strict=True):
+            if peer is not None and buffer is not None:
+                ops += [dist.P2POp(dist.isend, out, peer, pipe.group), dist.P2POp(dist.irecv, buffer, peer, pipe.group)]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        sent += 8 * width * (len(ops) // 2)
+        left, right = (_card(buffer, stage.width) for buffer in inbox)
+        stage.step(left, right)
+    rounds = torch.tensor([float(stage.rounds)], dtype=torch.float64, device=device)
+    dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=pipe.group)  # the one collective: a termination check
+    if int(rounds.item()) != stage.rounds:
+        raise RuntimeError(f"pipeline rank {pipe.rank} ended diffusion after {stage.rounds} rounds, another later")
+    assert stage.outcome is not None
+    return NeighbourStats(stage.outcome, stage.rounds, stage.probes, sent, time.perf_counter() - t0)
+
+
+def _card(buffer: torch.Tensor | None, width: int) -> Card | None:
+    return None if buffer is None else Card.decode(buffer.tolist(), width)
