@@ -23,6 +23,7 @@ gathered from every process, so all stages prune the same units.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from itertools import accumulate
 from typing import Any, Protocol, runtime_checkable
@@ -242,12 +243,20 @@ def _top(scores: Sequence[float], k: int) -> list[int]:
 
 
 def _prunable_weights(pl_module: pl.LightningModule) -> list[nn.Parameter]:
-    """Weights of ``nn.Linear`` modules in the local pipeline layers, the last (output) layer excluded."""
+    """Weights of the matmul modules in the local pipeline layers, the last (output) layer excluded.
+
+    Matmul modules are ``nn.Linear`` and Hugging Face's ``Conv1D`` (GPT-2's projections, a transposed linear); the
+    latter can only be in the model when ``transformers`` was imported, so it is looked up there, not imported.
+    """
+    kinds: tuple[type, ...] = (nn.Linear,)
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    if conv1d is not None:
+        kinds += (conv1d,)
     n_layers = len(pl_module.pipeline_layers())
     return [
         m.weight
         for i, layer in local_layers(pl_module)
         if i < n_layers - 1
         for m in layer.modules()
-        if isinstance(m, nn.Linear)
+        if isinstance(m, kinds)
     ]

@@ -165,6 +165,18 @@ def test_gradual_pruning_prunes_llama_units_and_a_pruned_checkpoint_loads(tmp_pa
     torch.testing.assert_close(fresh(x), module(x))
 
 
+def test_unstructured_pruning_masks_gpt2_conv1d_weights():
+    from transformers.pytorch_utils import Conv1D
+
+    module = pipeline_model("gpt2")
+    pruning = GradualPruning(final_sparsity=0.5, start_step=1, end_step=3, every_n_steps=1, mode="unstructured")
+    fit(module, callbacks=[pruning])
+    weights = [m.weight for layer in module.pipeline_layers()[:-1] for m in layer.modules() if isinstance(m, Conv1D)]
+    assert weights, "GPT-2's projections are Conv1D modules"
+    zeros = sum(int((w == 0).sum()) for w in weights) / sum(w.numel() for w in weights)
+    assert zeros == pytest.approx(0.5, abs=0.02)  # global magnitude: the Conv1D weights share the 50 %
+
+
 def test_export_leaves_out_dynamic_parts_and_refuses_pruned_widths(tmp_path):
     module = pipeline_model("llama")
     module.configure_dynamics(mod_every=2, mod_capacity=0.5)
