@@ -64,7 +64,7 @@ from itertools import accumulate
 from dynmo_lightning.balance._search import BoundSearch
 from dynmo_lightning.balance._validation import as_capacities, as_values
 from dynmo_lightning.balance.layout import bottleneck, validate_partition
-from dynmo_lightning.balance.optimal import require_memory_fit
+from dynmo_lightning.balance.optimal import InfeasibleMemoryError, require_memory_fit
 
 REDUCE, PUSH, PULL, GATHER = "reduce", "push", "pull", "gather"
 
@@ -152,6 +152,28 @@ class StageOutcome:
         """Read a gather entry ``(stage, size, *new, *received, *old)``."""
         sums = entry[2:]
         return cls(int(entry[1]), tuple(sums[:width]), tuple(sums[width : 2 * width]), tuple(sums[2 * width :]))
+
+
+def require_outcome_fits(outcome: Sequence[StageOutcome], capacity: float | None) -> None:
+    """Raise unless every stage of a protocol run's split holds at most ``capacity`` of memory.
+
+    When no split fits, the protocol still ends (no bound is ever feasible, so the search gives up at its top) but on
+    a split that breaks the capacity; the runtime cannot check feasibility first without gathering every layer's
+    memory, so it checks the outcome, which every stage knows.
+
+    Raises:
+        InfeasibleMemoryError: naming the fullest stage and what it would hold.
+    """
+    if capacity is None or not outcome:
+        return
+    fullest = max(range(len(outcome)), key=lambda s: outcome[s].new[1])
+    held = outcome[fullest].new[1]
+    if held > capacity:
+        raise InfeasibleMemoryError(
+            f"balancer.memory_capacity={capacity:g}: no split of the {sum(o.size for o in outcome)} layers over "
+            f"{len(outcome)} stages keeps every stage within it (diffusion ended with stage {fullest} holding "
+            f"{held:g}); raise the capacity, use more stages, or lower the micro-batch size"
+        )
 
 
 Neighbours = tuple[Card | None, Card | None]

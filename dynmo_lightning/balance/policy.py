@@ -36,7 +36,13 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 from dynmo_lightning.balance.cost_model import repartition_pays, stage_times, step_time
-from dynmo_lightning.balance.diffusion import DiffusionStage, StageOutcome, diffuse, shared_capacity
+from dynmo_lightning.balance.diffusion import (
+    DiffusionStage,
+    StageOutcome,
+    diffuse,
+    require_outcome_fits,
+    shared_capacity,
+)
 from dynmo_lightning.balance.layout import bytes_moved
 from dynmo_lightning.balance.partition import partition
 from dynmo_lightning.balance.repack import best_split, plan_repack
@@ -276,12 +282,11 @@ class BalancePolicy:
         assert self.tracker is not None
         first = sum(pipe.layers_per_stage[:stage])
         own = range(first, first + pipe.layers_per_stage[stage])
-        v, memory, capacity = self.tracker.values, *self._memory(pipe)
+        v, memory = self.tracker.values, self._memory(pipe)[0]
         compute, moving = self.tracker.compute, self.layer_bytes()
         mem = [0.0] * len(compute) if memory is None else memory
         layers = [(compute[i], mem[i], v["fwd"][i], v["bwd"][i], moving[i]) for i in own]
-        shared = None if capacity is None else [capacity] if isinstance(capacity, (int, float)) else capacity
-        limit = shared_capacity(shared)
+        limit = shared_capacity(self._capacities(pipe))
         return DiffusionStage(stage, pipe.n_stages, first, layers, n_layers=len(compute), capacity=limit)
 
     def decide(
@@ -303,6 +308,7 @@ class BalancePolicy:
         if planned is None:
             proposed, info = self.plan(pipe)
         else:
+            require_outcome_fits(planned, shared_capacity(self._capacities(pipe)))
             proposed, info = [o.size for o in planned], dict(info or {})
         decision = self._migration(pipe, proposed, info, planned)
         self.planned_once = True
@@ -422,6 +428,11 @@ class BalancePolicy:
         assert self.tracker is not None
         v = self.tracker.values
         return step_time(*stage_times(v["fwd"], v["bwd"], split), pipe.n_microbatches, pipe.cost_schedule, self.p2p)
+
+    def _capacities(self, pipe: PipelineShape) -> list[float] | None:
+        """The memory capacity as a list (one entry, or one per stage), ``None`` without one."""
+        capacity = self._memory(pipe)[1]
+        return None if capacity is None else [capacity] if isinstance(capacity, (int, float)) else list(capacity)
 
     def _memory(self, pipe: PipelineShape) -> tuple[list[float] | None, Any]:
         if self.memory_capacity is None:

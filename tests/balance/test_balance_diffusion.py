@@ -17,6 +17,7 @@ from dynmo_lightning.balance.diffusion import (
     diffusion_rounds,
     drive,
     probe_bound,
+    require_outcome_fits,
     round_bound,
     stage_layers,
     start_stages,
@@ -175,3 +176,20 @@ def test_one_stage_sees_only_cards_and_the_cards_round_trip():
     assert [o.new[0] for o in outcome] == [6, 6, 8]
     assert [o.received[2] for o in outcome] == [50, 60, 0]
     assert [o.old[0] for o in outcome] == [1, 5, 14]
+
+
+def test_a_run_whose_split_breaks_the_capacity_is_refused():
+    # 8 layers of memory 5 on 4 stages with capacity 6: no split fits, yet the stages (which cannot know it without
+    # gathering every layer's memory) end their run; the outcome, known to every stage, is what is checked.
+    stages = start_stages(stage_layers([1.0] * 8, [2, 2, 2, 2], [5.0] * 8), 6.0)
+    for _ in drive(stages):
+        pass
+    outcome = stages[0].outcome
+    assert outcome is not None and all(s.outcome == outcome for s in stages)
+    with pytest.raises(InfeasibleMemoryError, match=r"balancer\.memory_capacity=6"):
+        require_outcome_fits(outcome, 6.0)
+    fitting = start_stages(stage_layers([1.0] * 8, [2, 2, 2, 2], [5.0] * 8), 10.0)
+    for _ in drive(fitting):
+        pass
+    require_outcome_fits(fitting[0].outcome, 10.0)  # two layers per stage fit
+    require_outcome_fits(outcome, None)  # no capacity, nothing to check
