@@ -33,6 +33,9 @@ TINY = [
     "strategy.timeout=60",
 ]
 
+#: Two replicas with half the batch each: the same global batch of 16 as one replica of TINY.
+DP2 = ["strategy.data_parallel_size=2", "data.batch_size=8"]
+
 # Layers 0-3 of 6 freeze at step 3: only block 3 and the head train (their forward+backward) afterwards.
 FREEZE = ["dynamics=freezing", "dynamics.mode=schedule", "dynamics.schedule={0:3,1:3,2:3,3:3}", "dynamics.start_step=0"]
 # ... so that two stages do the work of four within the tolerance: consolidate onto two processes.

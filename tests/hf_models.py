@@ -13,9 +13,9 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
+from dynmo_lightning.bench.timeline import Losses
 from dynmo_lightning.models.hf import from_hf, to_hf_keys
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 8, 12
@@ -98,17 +98,6 @@ class PlainHF(L.LightningModule):
         return torch.optim.AdamW(decay_groups(list(self.named_parameters()), embeddings), lr=LR, betas=(0.9, 0.95))
 
 
-class Losses(Callback):
-    """Every step's training loss."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
-
-
 def fit(module: L.LightningModule, strategy: Any = "auto", devices: int = 1, callbacks=()) -> tuple[L.Trainer, list]:
     """Train ``module`` for STEPS steps (clipped); returns the trainer and the per-step losses."""
     losses = Losses()
@@ -125,7 +114,7 @@ def fit(module: L.LightningModule, strategy: Any = "auto", devices: int = 1, cal
         enable_model_summary=False,
     )
     trainer.fit(module, loader())
-    return trainer, losses.losses
+    return trainer, losses.values
 
 
 def pipeline_model(family: str) -> L.LightningModule:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from _helpers import TINY, assert_close_losses, assert_close_params, launch
+from _helpers import DP2, TINY, assert_close_losses, assert_close_params, launch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
@@ -28,7 +28,6 @@ EPOCH = [
 # Layers move (a random split every 3 steps) and the first two freeze: the saved partition is nobody's default.
 FREEZE = ["dynamics=freezing", "dynamics.mode=schedule", "dynamics.schedule={0:4,1:4}", "dynamics.start_step=0"]
 MOVING = [*FREEZE, "balancer=optimal", "balancer.method=random", "balancer.every_n_steps=3", "balancer.warmup_steps=1"]
-DP2 = ["strategy.data_parallel_size=2", "data.batch_size=8"]  # the same global batch of 16 as one replica
 
 
 @pytest.fixture(scope="module")

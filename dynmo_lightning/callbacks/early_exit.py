@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from dynmo_lightning.callbacks._dynamics import enable, gather, parts
-from dynmo_lightning.models.routing import ExitGate
+from dynmo_lightning.models.routing import EXIT_SYNC, ExitGate
 from dynmo_lightning.protocol import read_once, set_host_value
 
 
@@ -60,7 +60,7 @@ class TokenEarlyExit(Callback):
         self.min_layers = min_layers
         self.exit_every = exit_every
         self.log_every_n_steps = max(1, log_every_n_steps)
-        if sync not in ("auto", "stage", "layer"):
+        if sync not in EXIT_SYNC:
             raise ValueError(f"dynamics.sync={sync!r} must be 'auto', 'stage' or 'layer'")
         self.sync = sync
 

@@ -71,6 +71,9 @@ class ExitGate(nn.Module):
             return active * (~leaving).to(active.dtype)
 
 
+#: How often blocks read their active-token bound from the device (see :func:`active_bound`).
+EXIT_SYNC = ("auto", "stage", "layer")
+
 #: Active-token bounds are rounded up to a multiple of ``T // EXIT_BUCKETS`` when read once per stage, so that the
 #: gathered shapes (and the kernels and allocations that follow them) repeat from micro-batch to micro-batch.
 EXIT_BUCKETS = 16
@@ -85,7 +88,7 @@ def active_bound(active: Tensor, sync: str = "auto") -> tuple[int, bool]:
     rounded up to a bucket (:data:`EXIT_BUCKETS`). With ``sync="layer"`` (``"auto"`` on CPU, where a read does not
     stall a device stream) every block reads its exact count, so it computes only the tokens still active.
     """
-    if sync not in ("auto", "stage", "layer"):
+    if sync not in EXIT_SYNC:
         raise ValueError(f"dynamics.sync={sync!r} must be 'auto', 'stage' or 'layer'")
     per_stage = sync == "stage" or (sync == "auto" and active.device.type != "cpu")
     memo = stage_memo()

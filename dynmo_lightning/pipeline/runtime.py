@@ -263,6 +263,8 @@ class PipelineRuntime:
 
     def _wrap_key(self) -> tuple[Any, list[list[int]]]:
         """The replica group and the ids of each local stage's trainable parameters (what a DDP wrapper holds)."""
+        if self.replicas is None:
+            return None, []  # nothing is wrapped: no per-step walk over the parameters
         layers = [[self.slots.get(i) for i in range(*self.plan.bounds(stage))] for stage in self.local_stages]
         return self.replicas, [[id(p) for layer in ls for p in layer.parameters() if p.requires_grad] for ls in layers]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import FREEZE, REPACK, TINY, assert_close_losses, assert_close_model, assert_close_params, launch
+from _helpers import DP2, FREEZE, REPACK, TINY, assert_close_losses, assert_close_model, assert_close_params, launch
 
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.launch import clean_env
@@ -27,7 +27,6 @@ GROW = [
     # No re-partition within a pipeline (a relative gain never exceeds 1): only the repack changes the split.
     "balancer.min_gain=1.0",
 ]
-DP2 = ["strategy.data_parallel_size=2", "data.batch_size=8"]  # the same global batch of 16 as one replica
 # 16 experts in every block for 64 tokens per micro-batch and replica: experts go unused in one replica (or in the
 # last micro-batch only) while the other uses them. Dropless, no load-balancing loss (a product of per-call means):
 # routing is per token, so two replicas of half the batch compute what one replica does.

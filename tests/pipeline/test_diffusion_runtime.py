@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from _helpers import assert_close_losses, assert_close_params, launch
+from _helpers import DP2, assert_close_losses, assert_close_params, launch
 from brute import brute_force
 
 from dynmo_lightning.balance import bottleneck, partition
@@ -15,7 +15,6 @@ from dynmo_lightning.balance.diffusion import round_bound
 # Blocks with MLP hidden sizes 16x vs 1x the model width: the uniform split [2, 2, 2, 2] is unbalanced.
 UNEVEN = ["model.n_layer=6", "model.n_embd=32", "model.mlp_ratio=[16,16,16,1,1,1]", "trainer.max_steps=8"]
 DIFFUSION = ["balancer=diffusion", "balancer.every_n_steps=4", "balancer.warmup_steps=1", "balancer.min_gain=0.02"]
-DP2 = ["strategy.data_parallel_size=2", "data.batch_size=8"]  # two replicas of two stages, the same global batch
 
 
 @pytest.fixture(scope="module")
