@@ -57,16 +57,23 @@ from __future__ import annotations
 
 import math
 import operator
+from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, pairwise
 
 from dynmo_lightning.balance._search import BoundSearch
 from dynmo_lightning.balance._validation import as_capacities, as_values
 from dynmo_lightning.balance.layout import bottleneck, validate_partition
 from dynmo_lightning.balance.optimal import InfeasibleMemoryError, require_memory_fit
+from dynmo_lightning.balance.sweep import SLOTS, final_cuts, flood_rounds, raw_cuts, share, sizes_of
 
-REDUCE, PUSH, PULL, GATHER = "reduce", "push", "pull", "gather"
+REDUCE, PUSH, PULL, GATHER, SCAN, FLOOD = "reduce", "push", "pull", "gather", "scan", "flood"
+
+#: Modes of the protocol: ``"exact"`` ends on the optimal split; ``"sweep"`` (:mod:`~dynmo_lightning.balance.sweep`)
+#: ends within one layer's cost of it in ``~2 P`` rounds.
+MODES = EXACT, SWEEP = ("exact", "sweep")
 
 #: One layer as the protocol carries it: ``(cost, memory, *extras)``.
 Layer = tuple[float, ...]
@@ -87,8 +94,9 @@ class Card:
         first: its first layer (a pull moves it left).
         last: its last layer (a push moves it right).
         values: reduction phase: its current three values.
-        to_right: gather phase: the entry it forwards to the right (stage -1: none).
-        to_left: gather phase: the entry it forwards to the left.
+        to_right: gather, scan and flood phases: the entries it forwards to the right (a lane of at most
+            ``slots`` entries; empty: none).
+        to_left: the same to the left.
     """
 
     load: float
@@ -101,34 +109,46 @@ class Card:
     first: Layer
     last: Layer
     values: tuple[float, float, float]
-    to_right: tuple[float, ...]
-    to_left: tuple[float, ...]
+    to_right: tuple[tuple[float, ...], ...] = ()
+    to_left: tuple[tuple[float, ...], ...] = ()
 
-    def encode(self) -> list[float]:
-        """The card as a flat list of floats (see :meth:`decode`)."""
+    def encode(self, slots: int = 1) -> list[float]:
+        """The card as a flat list of floats, each lane padded to ``slots`` entries (see :meth:`decode`)."""
         head = [self.load, self.memory, self.size, self.end, float(self.push), float(self.relay), self.heard]
-        return [float(x) for x in (*head, *self.first, *self.last, *self.values, *self.to_right, *self.to_left)]
+        lanes = [x for lane in (self.to_right, self.to_left) for x in _pad(lane, len(self.first), slots)]
+        return [float(x) for x in (*head, *self.first, *self.last, *self.values, *lanes)]
 
     @classmethod
-    def decode(cls, flat: Sequence[float], width: int) -> Card:
-        """Rebuild a card from :meth:`encode`'s floats, for layers of ``width`` numbers."""
+    def decode(cls, flat: Sequence[float], width: int, slots: int = 1) -> Card:
+        """Rebuild a card from :meth:`encode`'s floats, for layers of ``width`` numbers and lanes of ``slots``."""
         v = [float(x) for x in flat]
         entry = _entry_width(width)
-        cut = list(accumulate([7, width, width, 3, entry, entry]))
+        cut = list(accumulate([7, width, width, 3, slots * entry, slots * entry]))
         if len(v) != cut[-1]:
             raise ValueError(f"a diffusion card of layers of {width} numbers has {cut[-1]} floats, got {len(v)}")
+        lanes = [[tuple(v[a + i * entry : a + (i + 1) * entry]) for i in range(slots)] for a in (cut[3], cut[4])]
+        right, left = (tuple(e for e in lane if e[0] >= 0) for lane in lanes)  # blank entries start with -1
         return cls(v[0], v[1], int(v[2]), int(v[3]), v[4] != 0, v[5] != 0, int(v[6]), tuple(v[cut[0] : cut[1]]),
-                   tuple(v[cut[1] : cut[2]]), (v[cut[2]], v[cut[2] + 1], v[cut[2] + 2]), tuple(v[cut[3] : cut[4]]),
-                   tuple(v[cut[4] :]))  # fmt: skip
+                   tuple(v[cut[1] : cut[2]]), (v[cut[2]], v[cut[2] + 1], v[cut[2] + 2]), right, left)  # fmt: skip
 
 
-def card_width(width: int) -> int:
-    """Floats in a card for layers of ``width`` numbers."""
-    return 7 + 2 * width + 3 + 2 * _entry_width(width)
+def card_width(width: int, slots: int = 1) -> int:
+    """Floats in a card for layers of ``width`` numbers and lanes of ``slots`` entries."""
+    return 7 + 2 * width + 3 + 2 * slots * _entry_width(width)
 
 
 def _entry_width(width: int) -> int:
-    return 2 + 3 * width  # stage, size, sums over the new, the received and the old layers
+    # gather: stage, size, sums over the new, the received and the old layers; sweep pieces are shorter
+    return 2 + 3 * width
+
+
+def _pad(lane: Sequence[Sequence[float]], width: int, slots: int) -> list[float]:
+    """A lane as ``slots`` entries of :func:`_entry_width` floats; blank entries start with ``-1``."""
+    if len(lane) > slots:
+        raise ValueError(f"a lane of {len(lane)} entries does not fit a card of {slots} slots")
+    entry = _entry_width(width)
+    blank = [-1.0] + [0.0] * (entry - 1)
+    return [x for e in lane for x in (*e, *[0.0] * (entry - len(e)))] + blank * (slots - len(lane))
 
 
 @dataclass(frozen=True)
@@ -179,14 +199,14 @@ def require_outcome_fits(outcome: Sequence[StageOutcome], capacity: float | None
 Neighbours = tuple[Card | None, Card | None]
 
 
-def _fold(values: Iterable[float]) -> float:
+def _fold(values: Iterable[float], start: float = 0.0) -> float:
     """Left-to-right float sum: a block's sum plus its next layer IS the longer block's sum, bit for bit.
 
     So the left neighbour's test "my load plus your first layer fits" equals the test on the block it will hold, and
     both neighbours decide it alike from the card. Rounded addition is monotone in both arguments, so a block's sum
     never falls when it grows at either end: the greedy argument holds for these sums as for exact ones.
     """
-    total = 0.0
+    total = start
     for x in values:
         total += x
     return total
@@ -210,16 +230,23 @@ class DiffusionStage:
         layers: its layers, ``(cost, memory, *extras)`` each, all of the same length (at least 2).
         n_layers: layers of the model.
         capacity: memory a stage may hold (the same for all stages).
+        mode: ``"exact"`` (the bound search above: the optimal split) or ``"sweep"`` (equal-share cuts from prefix
+            sums, within one layer's cost of the optimum in about ``2 P`` rounds; see
+            :mod:`~dynmo_lightning.balance.sweep`). Every stage of a run must use the same mode.
     """
 
     def __init__(
         self, stage: int, n_stages: int, first: int, layers: Sequence[Sequence[float]], *, n_layers: int,
-        capacity: float = math.inf,
+        capacity: float = math.inf, mode: str = EXACT,
     ) -> None:  # fmt: skip
         records = [tuple(float(x) for x in layer) for layer in layers]
         if not records or len({len(r) for r in records}) != 1 or len(records[0]) < 2:
             raise ValueError("a diffusion stage needs at least one layer, each (cost, memory, *extras) of one length")
+        if mode not in MODES:
+            raise ValueError(f"diffusion mode {mode!r} is not one of {list(MODES)}")
         self.stage, self.n_stages, self.n_layers, self.capacity = stage, n_stages, n_layers, capacity
+        #: Entries per card lane: one in exact mode, :data:`~dynmo_lightning.balance.sweep.SLOTS` in sweep mode.
+        self.mode, self.slots = mode, SLOTS if mode == SWEEP else 1
         self.first, self.layers, self.width = first, records, len(records[0])
         self._old = (first, first + len(records), self._sums(records))
         #: Phase of the round :attr:`card` is for; the bound the stage works against (``None`` before the search).
@@ -235,6 +262,19 @@ class DiffusionStage:
         """Model index after its last layer."""
         return self.first + len(self.layers)
 
+    @property
+    def size(self) -> int:
+        """Its layer count: in the protocol's state while running, in the agreed split once finished.
+
+        (The sweep mode moves no layer records between stages while it plans; the exact mode does.)
+        """
+        return len(self.layers) if self.outcome is None else self.outcome[self.stage].size
+
+    @property
+    def card_floats(self) -> int:
+        """Floats of one encoded card of this run (:meth:`Card.encode` with :attr:`slots`)."""
+        return card_width(self.width, self.slots)
+
     def step(self, left: Card | None, right: Card | None) -> None:
         """Take in the round's cards from the left and right neighbour and advance one round."""
         if self.card is None:
@@ -249,23 +289,112 @@ class DiffusionStage:
 
     # ----------------------------------------------------------------------------------------------------------------
     def _run(self) -> Generator[Card, Neighbours, None]:
+        if self.n_stages > 1 and self.mode == SWEEP:
+            outcome = yield from self._sweep()
+            if all(o.new[1] <= self.capacity for o in outcome):
+                self.outcome = outcome
+                return
+            # The equal-share cut ignores memory: every stage sees the breach in the sums and falls back alike.
         if self.n_stages > 1:
-            largest = max(layer[0] for layer in self.layers)
-            largest, current, _ = yield from self._allreduce((largest, self._load(), 0.0), (max, max, max))
-            # The largest layer is a lower bound; the current bottleneck a feasible first guess.
-            search, feasible = BoundSearch(largest, (current,)), False
-            # Every stage's copy of the search sees the same all-reduced values: all propose the same bounds.
-            while not search.done:
-                self.bound, self.probes = search.point(), self.probes + 1
-                yield from self._settle()
-                worst, grown, fits = yield from self._allreduce(self._report(), (max, min, min))
-                feasible = bool(fits)
-                search.record(feasible, worst if feasible else grown)
-            # A feasible last probe left T(bound) = T(its bottleneck) = T(optimum); otherwise settle there.
-            if not feasible:
-                self.bound = search.hi
-                yield from self._settle()
+            yield from self._exact()
         self.outcome = yield from self._gather()
+
+    def _exact(self) -> Generator[Card, Neighbours, None]:
+        """The bound search: probes of settles and reductions until the split is the optimal one."""
+        largest = max(layer[0] for layer in self.layers)
+        largest, current, _ = yield from self._allreduce((largest, self._load(), 0.0), (max, max, max))
+        # The largest layer is a lower bound; the current bottleneck a feasible first guess.
+        search, feasible = BoundSearch(largest, (current,)), False
+        # Every stage's copy of the search sees the same all-reduced values: all propose the same bounds.
+        while not search.done:
+            self.bound, self.probes = search.point(), self.probes + 1
+            yield from self._settle()
+            worst, grown, fits = yield from self._allreduce(self._report(), (max, min, min))
+            feasible = bool(fits)
+            search.record(feasible, worst if feasible else grown)
+        # A feasible last probe left T(bound) = T(its bottleneck) = T(optimum); otherwise settle there.
+        if not feasible:
+            self.bound = search.hi
+            yield from self._settle()
+
+    def _sweep(self) -> Generator[Card, Neighbours, list[StageOutcome]]:
+        """The sweep mode (:mod:`~dynmo_lightning.balance.sweep`): scan, local cut, flood (twice if a cut moved)."""
+        costs, p = [layer[0] for layer in self.layers], self.n_stages
+        offset, total = yield from self._scan(costs)
+        raw, at = [], offset  # runs of its layers with the same equal share: (share, first index, layers)
+        for index, layer in enumerate(self.layers, self.first):
+            h = share(at + layer[0] / 2, total, p)
+            at += layer[0]
+            if raw and raw[-1][0] == h:
+                raw[-1][2].append(layer)
+            else:
+                raw.append((h, index, [layer]))
+        pieces = yield from self._flood([self._piece(start, run, h) for h, start, run in raw])
+        cuts = final_cuts(raw_cuts(pieces, p, self.n_layers), self.n_layers)
+        if any(bisect_right(cuts, int(piece[0])) != int(piece[3]) for piece in pieces):
+            # Huge layers moved a cut off its equal share: cut its own layers at the final cuts and flood again.
+            bounds = sorted({self.first, self.end, *(c for c in cuts if self.first < c < self.end)})
+            own = [self._piece(a, self.layers[a - self.first : b - self.first], bisect_right(cuts, a))
+                   for a, b in pairwise(bounds)]  # fmt: skip
+            pieces = yield from self._flood(own)
+        return self._tally(pieces, cuts)
+
+    def _scan(self, costs: list[float]) -> Generator[Card, Neighbours, tuple[float, float]]:
+        """``P - 1`` rounds: prefix sums flow right, suffix sums left; returns ``(C(first), S)``."""
+        self.phase = SCAN
+        last = self.n_stages - 1
+        offset, after = (0.0 if self.stage == 0 else None), (0.0 if self.stage == last else None)
+        for _ in range(last):
+            out_right = ((0.0, _fold(costs, offset)),) if offset is not None else ()
+            out_left = ((0.0, _fold(costs) + after),) if after is not None else ()
+            left, right = yield self._card(to_right=out_right, to_left=out_left)
+            if offset is None and left is not None and left.to_right:
+                offset = left.to_right[0][1]
+            if after is None and right is not None and right.to_left:
+                after = right.to_left[0][1]
+        assert offset is not None and after is not None, "the scan reaches every stage within P - 1 rounds"
+        return offset, _fold(costs, offset) + after
+
+    def _piece(self, start: int, run: Sequence[Layer], new: int) -> tuple[float, ...]:
+        """A run of its layers: ``(start, end, old stage, new stage, *sums)``."""
+        return (float(start), float(start + len(run)), float(self.stage), float(new), *self._sums(run))
+
+    def _flood(self, mine: list[tuple[float, ...]]) -> Generator[Card, Neighbours, list[tuple[float, ...]]]:
+        """Pass pieces along the chain both ways, :data:`SLOTS` per card and way, until every stage has all."""
+        self.phase = FLOOD
+        keep = 4 + self.width  # a decoded entry is padded to the gather's width
+        table = {int(piece[0]): piece for piece in mine}
+        queues = (deque(mine), deque(mine))  # to the right, to the left
+        ends = (self.stage == self.n_stages - 1, self.stage == 0)
+        for _ in range(flood_rounds(self.n_stages)):
+            lanes = [() if end else tuple(q.popleft() for _ in range(min(self.slots, len(q))))
+                     for q, end in zip(queues, ends, strict=True)]  # fmt: skip
+            left, right = yield self._card(to_right=lanes[0], to_left=lanes[1])
+            arrived = (left.to_right if left else (), right.to_left if right else ())
+            for lane, queue in zip(arrived, queues, strict=True):
+                for entry in lane:
+                    table[int(entry[0])] = entry[:keep]
+                    queue.append(entry[:keep])
+        pieces = [table[k] for k in sorted(table)]
+        if [int(x[0]) for x in pieces[1:]] != [int(x[1]) for x in pieces[:-1]] or pieces[-1][1] != self.n_layers:
+            raise RuntimeError(f"diffusion stage {self.stage}: the flood left a gap in the pieces of the model")
+        return pieces
+
+    def _tally(self, pieces: Sequence[Sequence[float]], cuts: Sequence[int]) -> list[StageOutcome]:
+        """Every stage's outcome from the pieces (each tagged with its old and new stage) and the final cuts."""
+        new, received, old = ([[] for _ in range(self.n_stages)] for _ in range(3))
+        for piece in pieces:
+            was, now, sums = int(piece[2]), int(piece[3]), piece[4:]
+            new[now].append(sums)
+            old[was].append(sums)
+            if was != now:
+                received[now].append(sums)
+        sizes = sizes_of(cuts, self.n_layers)
+        return [StageOutcome(sizes[s], self._total(new[s]), self._total(received[s]), self._total(old[s]))
+                for s in range(self.n_stages)]  # fmt: skip
+
+    def _total(self, rows: Sequence[Sequence[float]]) -> tuple[float, ...]:
+        return self._sums(rows) if rows else (0.0,) * self.width
 
     def _settle(self) -> Generator[Card, Neighbours, None]:
         yield from self._phase(PUSH)
@@ -314,14 +443,12 @@ class DiffusionStage:
     def _gather(self) -> Generator[Card, Neighbours, list[StageOutcome]]:
         """Pipeline one entry per stage along the chain both ways: ``P - 1`` rounds, one entry per card and way."""
         self.phase = GATHER
-        mine = self._entry()
-        table, blank = {self.stage: mine}, (-1.0,) + (0.0,) * (len(mine) - 1)
+        table = {self.stage: self._entry()}
         for k in range(1, self.n_stages):
-            out = {"to_right": table.get(self.stage - k + 1, blank), "to_left": table.get(self.stage + k - 1, blank)}
-            left, right = yield self._card(**out)
-            for entry in (left.to_right if left else blank, right.to_left if right else blank):
-                if entry[0] >= 0:
-                    table[int(entry[0])] = entry
+            lanes = (table.get(self.stage - k + 1), table.get(self.stage + k - 1))
+            left, right = yield self._card(to_right=_lane(lanes[0]), to_left=_lane(lanes[1]))
+            for entry in (*(left.to_right if left else ()), *(right.to_left if right else ())):
+                table[int(entry[0])] = entry
         return [StageOutcome.from_entry(table[s], self.width) for s in range(self.n_stages)]
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -371,12 +498,11 @@ class DiffusionStage:
         return (float(self.stage), float(len(self.layers)), *self._sums(self.layers), *received, *old)
 
     def _card(self, *, push: bool = False, relay: bool = False, heard: int = 0,
-              values: tuple[float, ...] = (0.0, 0.0, 0.0), to_right: tuple[float, ...] | None = None,
-              to_left: tuple[float, ...] | None = None) -> Card:  # fmt: skip
-        blank = (-1.0,) + (0.0,) * (_entry_width(self.width) - 1)
+              values: tuple[float, ...] = (0.0, 0.0, 0.0), to_right: tuple[tuple[float, ...], ...] = (),
+              to_left: tuple[tuple[float, ...], ...] = ()) -> Card:  # fmt: skip
         first, last, three = self.layers[0], self.layers[-1], (values[0], values[1], values[2])
         return Card(self._load(), self._memory(), len(self.layers), self.end, push, relay, heard, first, last, three,
-                    to_right or blank, to_left or blank)  # fmt: skip
+                    to_right, to_left)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -461,11 +587,13 @@ def stage_layers(
     return [rows[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
-def start_stages(layers: Sequence[Sequence[Layer]], capacity: float = math.inf) -> list[DiffusionStage]:
+def start_stages(
+    layers: Sequence[Sequence[Layer]], capacity: float = math.inf, mode: str = EXACT
+) -> list[DiffusionStage]:
     """One :class:`DiffusionStage` per stage of a split given by each stage's layers (the in-memory driver's)."""
     n_layers, firsts = sum(len(x) for x in layers), [0, *accumulate(len(x) for x in layers)]
     return [
-        DiffusionStage(s, len(layers), firsts[s], own, n_layers=n_layers, capacity=capacity)
+        DiffusionStage(s, len(layers), firsts[s], own, n_layers=n_layers, capacity=capacity, mode=mode)
         for s, own in enumerate(layers)
     ]
 
@@ -481,7 +609,7 @@ def drive(stages: Sequence[DiffusionStage]) -> Iterator[DiffusionRound]:
         index += 1
         done = [stage.card is None for stage in stages]
         assert all(done) or not any(done), "stages disagree on the end of the protocol"
-        yield DiffusionRound(index, phase, bound, tuple(len(stage.layers) for stage in stages))
+        yield DiffusionRound(index, phase, bound, tuple(stage.size for stage in stages))
 
 
 def shared_capacity(capacities: Sequence[float] | None) -> float:
@@ -503,6 +631,7 @@ def _stages(
     layers_per_stage: Sequence[int],
     memory: Sequence[float] | None,
     capacity: float | Sequence[float] | None,
+    mode: str = EXACT,
 ) -> list[DiffusionStage]:
     values = as_values(costs, "costs")
     sizes = validate_partition(layers_per_stage, values.size)
@@ -510,7 +639,7 @@ def _stages(
     shared = shared_capacity(None if limits is None else limits[1].tolist())
     require_memory_fit(limits, values.size, len(sizes))
     layer_memory = None if limits is None else limits[0].tolist()
-    return start_stages(stage_layers(values.tolist(), sizes, layer_memory), shared)
+    return start_stages(stage_layers(values.tolist(), sizes, layer_memory), shared, mode)
 
 
 def diffusion_rounds(
@@ -519,6 +648,7 @@ def diffusion_rounds(
     *,
     memory: Sequence[float] | None = None,
     capacity: float | Sequence[float] | None = None,
+    mode: str = EXACT,
 ) -> Iterator[DiffusionRound]:
     """Run the neighbour-only protocol round by round in one process (see the module docstring).
 
@@ -529,6 +659,7 @@ def diffusion_rounds(
         layers_per_stage: starting split.
         memory: memory each layer needs, or ``None``.
         capacity: memory one stage may hold (a number, or a per-stage list whose entries are all equal).
+        mode: ``"exact"`` or ``"sweep"`` (see :class:`DiffusionStage`).
 
     Returns:
         An iterator of :class:`DiffusionRound`, one per round; it ends when the protocol has finished (at once for
@@ -539,7 +670,7 @@ def diffusion_rounds(
         InfeasibleMemoryError: if no split respects the capacity.
 
     """
-    return drive(_stages(costs, layers_per_stage, memory, capacity))
+    return drive(_stages(costs, layers_per_stage, memory, capacity, mode))
 
 
 def diffuse(
@@ -549,6 +680,7 @@ def diffuse(
     max_rounds: int | None = None,
     memory: Sequence[float] | None = None,
     capacity: float | Sequence[float] | None = None,
+    mode: str = EXACT,
 ) -> DiffusionResult:
     """Re-balance a split by the decentralised neighbour-only diffusion protocol, simulated in one process.
 
@@ -557,6 +689,10 @@ def diffuse(
     (exactly for integer-valued costs; for general floats up to rounding, since stages add their own layers
     left to right while the central planner uses prefix sums). The argument is in the module docstring; the
     rounds are bounded by :func:`round_bound`.
+
+    With ``mode="sweep"`` (:mod:`~dynmo_lightning.balance.sweep`) the guarantee is instead: the bottleneck is below
+    the optimal one plus the largest layer cost (``< S / P + c_max``), in :func:`~dynmo_lightning.balance.sweep.
+    sweep_rounds` rounds (about ``2 P``); where that split breaks the memory capacity, the run goes on in exact mode.
 
     Intermediate rounds are planning state: a relayed request can leave a stage above the bound (or the capacity)
     for a few rounds. Only the final split is meant to be applied.
@@ -567,6 +703,7 @@ def diffuse(
         max_rounds: stop after this many rounds (``None``: run to the end).
         memory: memory each layer needs, or ``None``.
         capacity: memory one stage may hold; the protocol needs one value shared by all stages.
+        mode: ``"exact"`` (the optimal split) or ``"sweep"`` (within one layer's cost of it, far fewer rounds).
 
     Returns:
         The final split, the rounds used, its bottleneck, whether the protocol finished, the probes and card size.
@@ -578,7 +715,7 @@ def diffuse(
     """
     if max_rounds is not None and (isinstance(max_rounds, bool) or operator.index(max_rounds) < 0):
         raise ValueError(f"max_rounds must be None or an integer >= 0, got {max_rounds!r}")
-    stages = _stages(costs, layers_per_stage, memory, capacity)
+    stages = _stages(costs, layers_per_stage, memory, capacity, mode)
     steps = drive(stages)
     sizes = validate_partition(layers_per_stage, len(costs))
     rounds = 0
@@ -591,5 +728,9 @@ def diffuse(
         sizes = list(step.layers_per_stage)
     else:
         converged = next(steps, None) is None
-    width = 8 * card_width(stages[0].width) if len(stages) > 1 else 0
+    width = 8 * stages[0].card_floats if len(stages) > 1 else 0
     return DiffusionResult(sizes, rounds, bottleneck(costs, sizes), converged, stages[0].probes, width)
+
+
+def _lane(entry: tuple[float, ...] | None) -> tuple[tuple[float, ...], ...]:
+    return () if entry is None else (entry,)

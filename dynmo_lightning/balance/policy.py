@@ -37,6 +37,8 @@ from typing import Any
 
 from dynmo_lightning.balance.cost_model import repartition_pays, stage_times, step_time
 from dynmo_lightning.balance.diffusion import (
+    EXACT,
+    MODES,
     DiffusionStage,
     StageOutcome,
     diffuse,
@@ -151,6 +153,8 @@ class BalancePolicy:
         react_samples: fresh measurements of changed layers the check after an event waits for (0: no reaction,
             wait for the regular check).
         seed: seed of ``method="random"``.
+        diffusion_mode: ``method="diffusion"``'s protocol mode: ``"exact"`` (the optimal split) or ``"sweep"``
+            (equal-share cuts, within one layer's cost of the optimum in about ``2 P`` rounds).
 
     Raises:
         ValueError: a setting is out of range (the message names it).
@@ -175,13 +179,17 @@ class BalancePolicy:
         min_stages: int = 1,
         react_samples: int = 3,
         seed: int = 0,
+        diffusion_mode: str = EXACT,
     ) -> None:
         _check_settings(method, every_n_steps, warmup_steps, profile_every_n_steps, smoothing, repack_tolerance)
+        if diffusion_mode not in MODES:
+            raise ValueError(f"balancer.diffusion_mode={diffusion_mode!r} is not one of {list(MODES)}")
         if min_stages < 1:
             raise ValueError(f"balancer.min_world_size={min_stages} must be >= 1")
         if not bandwidth > 0:
             raise ValueError(f"bandwidth must be > 0 bytes per second, got {bandwidth!r}")
         self.method = method
+        self.diffusion_mode = diffusion_mode
         self.every_n_steps = every_n_steps
         self.warmup_steps = warmup_steps
         self.profile_every_n_steps = profile_every_n_steps or max(1, every_n_steps // 5)
@@ -268,7 +276,9 @@ class BalancePolicy:
         assert self.tracker is not None
         memory, capacity = self._memory(pipe)
         if self.method == "diffusion":
-            result = diffuse(self.tracker.compute, pipe.layers_per_stage, memory=memory, capacity=capacity)
+            result = diffuse(
+                self.tracker.compute, pipe.layers_per_stage, memory=memory, capacity=capacity, mode=self.diffusion_mode
+            )
             return result.layers_per_stage, {"diffusion_rounds": result.rounds}
         return partition(self.tracker.compute, n_stages, method="optimal", memory=memory, capacity=capacity), {}
 
@@ -287,7 +297,9 @@ class BalancePolicy:
         mem = [0.0] * len(compute) if memory is None else memory
         layers = [(compute[i], mem[i], v["fwd"][i], v["bwd"][i], moving[i]) for i in own]
         limit = shared_capacity(self._capacities(pipe))
-        return DiffusionStage(stage, pipe.n_stages, first, layers, n_layers=len(compute), capacity=limit)
+        return DiffusionStage(
+            stage, pipe.n_stages, first, layers, n_layers=len(compute), capacity=limit, mode=self.diffusion_mode
+        )
 
     def decide(
         self, pipe: PipelineShape, planned: Sequence[StageOutcome] | None = None, info: dict[str, Any] | None = None

@@ -44,6 +44,10 @@ class DynMoBalancer(Callback):
             (plan once from the first profile, never again, like torchgpipe's balance_by_time), ``"params"``
             (balance parameter counts once, like DeepSpeed), or ``"random"`` (a random split at every check; for
             testing that migration never changes the math).
+        diffusion_mode: how ``method="diffusion"`` plans: ``"exact"`` (the bound search; the optimal split, about
+            a dozen probes of ``~3 P`` rounds) or ``"sweep"`` (prefix sums and equal-share cuts in about ``2 P``
+            rounds; its bottleneck is below the optimum plus the largest layer cost, see
+            :mod:`~dynmo_lightning.balance.sweep`).
         min_gain: minimum predicted relative step-time improvement for a migration.
         warmup_steps: steps before profiling starts (the first steps include one-off set-up work).
         profile_every_n_steps: profile one step in this many (default: every ``every_n_steps // 5`` steps, at least
@@ -89,6 +93,7 @@ class DynMoBalancer(Callback):
         react_samples: int = 3,
         release_to: str | ReleaseHandler = "none",
         release_command: str | None = None,
+        diffusion_mode: str = "exact",
     ) -> None:
         if on_release not in ON_RELEASE:
             raise ValueError(f"balancer.on_release={on_release!r} is not one of {list(ON_RELEASE)}")
@@ -107,6 +112,7 @@ class DynMoBalancer(Callback):
             min_stages=min_world_size,
             react_samples=react_samples,
             seed=seed,
+            diffusion_mode=diffusion_mode,
         )
         self.method = method
         self.every_n_steps = every_n_steps

@@ -3,7 +3,8 @@
 The protocol itself is pure and lives in :mod:`dynmo_lightning.balance.diffusion` (:class:`DiffusionStage`); this
 room only carries its cards. Every round, each process sends its stage's card (one small float64 tensor) to the
 previous and the next process of its pipeline and receives theirs (``dist.batch_isend_irecv`` on the pipeline
-group), so no process ever sees another stage's layer costs but the boundary layers a neighbour shows. The stages
+group), so no process ever sees another stage's layer costs but the boundary layers a neighbour shows (and, in
+sweep mode, sums over runs of a stage's layers: at most ``2 P - 1`` of them for the whole model). The stages
 end in the same round by themselves; the one collective is a termination check on one scalar (the round count,
 all-reduced with ``MAX``), which turns a disagreement into an error instead of a hang.
 """
@@ -16,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dynmo_lightning.balance.diffusion import Card, DiffusionStage, StageOutcome, card_width
+from dynmo_lightning.balance.diffusion import Card, DiffusionStage, StageOutcome
 from dynmo_lightning.pipeline.layout import PipelineGroup
 
 
@@ -27,7 +28,7 @@ class NeighbourStats:
     Attributes:
         outcome: every stage's result (the new split and per-stage sums), the same on every process.
         rounds: synchronous rounds.
-        probes: bounds the search probed.
+        probes: bounds the search probed (0 for a sweep-mode run that needed no exact fallback).
         bytes_sent: bytes this process sent (cards to its neighbours).
         seconds: wall time of the rounds and the termination check.
     """
@@ -62,10 +63,10 @@ def run_stage(stage: DiffusionStage, pipe: PipelineGroup, device: torch.device) 
         raise ValueError(f"stage {stage.stage} of {stage.n_stages} does not run on pipeline rank {pipe.rank}")
     t0 = time.perf_counter()
     peers = [pipe.global_rank(r) if 0 <= r < pipe.size else None for r in (pipe.rank - 1, pipe.rank + 1)]
-    width = card_width(stage.width)
+    width = stage.card_floats
     sent = 0
     while stage.card is not None:
-        out = torch.tensor(stage.card.encode(), dtype=torch.float64, device=device)
+        out = torch.tensor(stage.card.encode(stage.slots), dtype=torch.float64, device=device)
         inbox = [torch.empty(width, dtype=torch.float64, device=device) if p is not None else None for p in peers]
         ops = []
         for peer, buffer in zip(peers, inbox, strict=True):
@@ -74,7 +75,7 @@ def run_stage(stage: DiffusionStage, pipe: PipelineGroup, device: torch.device) 
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
         sent += 8 * width * (len(ops) // 2)
-        left, right = (_card(buffer, stage.width) for buffer in inbox)
+        left, right = (_card(buffer, stage.width, stage.slots) for buffer in inbox)
         stage.step(left, right)
     rounds = torch.tensor([float(stage.rounds)], dtype=torch.float64, device=device)
     dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=pipe.group)  # the one collective: a termination check
@@ -84,5 +85,5 @@ def run_stage(stage: DiffusionStage, pipe: PipelineGroup, device: torch.device) 
     return NeighbourStats(stage.outcome, stage.rounds, stage.probes, sent, time.perf_counter() - t0)
 
 
-def _card(buffer: torch.Tensor | None, width: int) -> Card | None:
-    return None if buffer is None else Card.decode(buffer.tolist(), width)
+def _card(buffer: torch.Tensor | None, width: int, slots: int) -> Card | None:
+    return None if buffer is None else Card.decode(buffer.tolist(), width, slots)

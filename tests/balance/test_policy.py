@@ -156,6 +156,7 @@ def _run_balancer(trace, n_stages, bandwidth, **kwargs) -> list[tuple[int, list[
         ("optimal", {"react_samples": 0}),  # no reaction to events: the regular checks only
         ("optimal", {"profile_every_n_steps": 3, "warmup_steps": 4}),
         ("diffusion", {}),
+        ("diffusion", {"diffusion_mode": "sweep"}),
         ("static_time", {}),
         ("optimal", {"repack": True, "repack_tolerance": 0.10}),
     ],
