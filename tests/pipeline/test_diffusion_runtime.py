@@ -1,4 +1,7 @@
-"""Diffusion balancing at runtime: four processes balance between neighbours with every gather refused, exactly."""
+"""Diffusion balancing at runtime: four processes balance between neighbours with every gather refused, exactly.
+
+Both modes: the exact one (the optimal split) and the sweep (within one layer's cost of it, in a scan and a flood).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from brute import brute_force
 
 from dynmo_lightning.balance import bottleneck, partition
 from dynmo_lightning.balance.diffusion import round_bound
+from dynmo_lightning.balance.sweep import sweep_rounds, sweep_split
 
 # Blocks with MLP hidden sizes 16x vs 1x the model width: the uniform split [2, 2, 2, 2] is unbalanced.
 UNEVEN = ["model.n_layer=6", "model.n_embd=32", "model.mlp_ratio=[16,16,16,1,1,1]", "trainer.max_steps=8"]
@@ -25,6 +29,7 @@ def runs(tmp_path_factory):
         {
             d / "static": UNEVEN,
             d / "diffusion": [*UNEVEN, *DIFFUSION],
+            d / "sweep": [*UNEVEN, *DIFFUSION, "balancer.diffusion_mode=sweep"],
             d / "static-dp2": [*UNEVEN, *DP2],
             d / "diffusion-dp2": [*UNEVEN, *DIFFUSION, *DP2],
         },
@@ -78,5 +83,30 @@ def test_replicas_each_diffuse_on_their_pipeline_and_stay_exact(runs):
     planning = [json.loads((run.run_dir / f"planning.rank{r}.json").read_text()) for r in range(4)]
     assert all(p[0]["split"] == checks[0]["proposed"] for p in planning)
     assert run.summary["replicas_in_sync"]
+    assert_close_losses(run.summary["losses"], static.summary["losses"])
+    assert_close_params(run.checkpoint["state_dict"], static.checkpoint["state_dict"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_four_stages_balance_in_one_sweep_without_any_gather(runs):
+    static, run = runs["static"], runs["sweep"]
+    state = run.checkpoint["callbacks"]["DynMoBalancer"]
+    costs = _costs(state)
+    checks = [h for h in state["history"] if "diffusion_rounds" in h]
+    assert checks, state["history"]
+    first = checks[0]
+    assert first["current"] == [2, 2, 2, 2] and first["migrated"]
+    # Within the proven bound of brute force: below the optimal bottleneck plus the largest layer's cost.
+    best, _ = brute_force(costs, 4)
+    assert bottleneck(costs, first["proposed"]) < best + max(costs)
+    assert first["proposed"] == sweep_split(costs, 4) != [2, 2, 2, 2]
+    assert run.summary["partitions"][-1]["layers_per_stage"] == first["proposed"]
+    # No bound search: a scan and one flood (two when huge layers moved a cut), the same on every rank.
+    assert first["diffusion_probes"] == 0
+    assert first["diffusion_rounds"] in (sweep_rounds(4, moved=False), sweep_rounds(4, moved=True))
+    planning = [json.loads((run.run_dir / f"planning.rank{r}.json").read_text()) for r in range(4)]
+    assert {json.dumps(p[0]) for p in planning} == {json.dumps(planning[0][0])}
+    assert planning[0][0]["split"] == first["proposed"]
     assert_close_losses(run.summary["losses"], static.summary["losses"])
     assert_close_params(run.checkpoint["state_dict"], static.checkpoint["state_dict"])
