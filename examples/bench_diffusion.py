@@ -1,11 +1,14 @@
 """Benchmark of diffusion balancing between neighbours vs the centralised planner (gather every cost, plan).
 
+Both modes of the protocol: ``exact`` (the optimal split) and ``sweep`` (within one layer's cost of it).
 Real: P = 2 and 4 processes (gloo, this machine) run the protocol point-to-point from a uniform split of a model
 whose first quarter of layers is frozen (cheaper), and the centralised way: ``all_gather_object`` of every layer's
 costs, then ``partition(method="optimal")``; median of ``--repeats``. Simulated: 64, 256 and 1,024 stages run the
 same stage code in one process (real round counts and per-stage compute), priced by
 :mod:`dynmo_lightning.sim.planning` at 10 us and 100 us per message, beside the centralised gather-and-plan with
-the planner's measured time.
+the planner's measured time: the all-gather as recursive doubling (``log2 P`` latencies, its best) and as a ring
+(``P - 1`` latencies, what gloo and NCCL run); and a centralised planner of the sweep's own cut (gather, then
+:func:`~dynmo_lightning.balance.sweep.sweep_split`).
 
 Run:
     python examples/bench_diffusion.py --out docs/bench_diffusion.json
@@ -14,6 +17,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -52,8 +56,8 @@ def worker(out: Path, n_layers: int, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from dynmo_lightning.balance import partition
-    from dynmo_lightning.balance.diffusion import start_stages
+    from dynmo_lightning.balance import bottleneck, partition
+    from dynmo_lightning.balance.diffusion import MODES, start_stages
     from dynmo_lightning.pipeline.layout import PipelineGroup
     from dynmo_lightning.pipeline.neighbours import run_stage
 
@@ -62,23 +66,31 @@ def worker(out: Path, n_layers: int, repeats: int) -> None:
     pipe, costs = PipelineGroup(rank, None, list(range(world))), layer_costs(n_layers)
     split = uniform(n_layers, world)
     own = balancer_layers(costs, split)
-    diffusion, central, stats = [], [], None
+    seconds: dict[str, list[float]] = {mode: [] for mode in (*MODES, "central")}
+    stats = {}
     for _ in range(repeats):
-        stage = start_stages(own)[rank]  # this rank's stage only: it knows its own layers
-        dist.barrier()
-        stats = run_stage(stage, pipe, torch.device("cpu"))
-        diffusion.append(stats.seconds)
+        for mode in MODES:
+            stage = start_stages(own, mode=mode)[rank]  # this rank's stage only: it knows its own layers
+            dist.barrier()
+            stats[mode] = run_stage(stage, pipe, torch.device("cpu"))
+            seconds[mode].append(stats[mode].seconds)
         dist.barrier()
         t0 = time.perf_counter()
         parts: list = [None] * world
         dist.all_gather_object(parts, own[rank])
         planned = partition([layer[0] for part in parts for layer in part], world)
-        central.append(time.perf_counter() - t0)
-    assert stats is not None and stats.layers_per_stage == planned
+        seconds["central"].append(time.perf_counter() - t0)
+    exact, sweep = stats["exact"], stats["sweep"]
+    assert exact.layers_per_stage == planned
+    best, reached = bottleneck(costs, planned), bottleneck(costs, sweep.layers_per_stage)
+    assert reached < best + max(costs)
     if rank == 0:
-        result = {"stages": world, "layers": n_layers, "rounds": stats.rounds, "probes": stats.probes,
-                  "bytes_sent_per_process": stats.bytes_sent, "diffusion_ms": 1e3 * statistics.median(diffusion),
-                  "central_ms": 1e3 * statistics.median(central)}  # fmt: skip
+        ms = {mode: 1e3 * statistics.median(s) for mode, s in seconds.items()}
+        result = {"stages": world, "layers": n_layers, "rounds": exact.rounds, "probes": exact.probes,
+                  "bytes_sent_per_process": exact.bytes_sent, "diffusion_ms": ms["exact"],
+                  "central_ms": ms["central"], "sweep_rounds": sweep.rounds,
+                  "sweep_bytes_sent_per_process": sweep.bytes_sent, "sweep_ms": ms["sweep"],
+                  "optimal_bottleneck": best, "sweep_bottleneck": reached}  # fmt: skip
         out.write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -97,52 +109,88 @@ def real(n_stages: int, n_layers: int, repeats: int) -> dict:
         return json.loads(out.read_text())
 
 
+def run_in_memory(costs: list[float], start: list[int], mode: str) -> tuple[list[int], int, float, int, int]:
+    """Drive every stage in one process: split, rounds, one stage's compute (s), probes, card bytes.
+
+    The cyclic garbage collector is off while it runs: one process holding every stage's tables would make it
+    sweep far more objects than any real stage's process ever holds.
+    """
+    from dynmo_lightning.balance.diffusion import drive, start_stages
+
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        stages = start_stages(balancer_layers(costs, start), mode=mode)  # the same stage code, cards in memory
+        rounds = sum(1 for _ in drive(stages))
+        compute_s = (time.perf_counter() - t0) / len(start)  # the stages run in parallel: one stage's share
+    finally:
+        gc.enable()
+    return [s.size for s in stages], rounds, compute_s, stages[0].probes, 8 * stages[0].card_floats
+
+
+def timed(fn, *args) -> float:
+    """Median seconds of three calls."""
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def simulated(n_stages: int, n_layers: int) -> dict:
-    """Round count and per-stage compute from the in-memory protocol; times from the latency model."""
+    """Round counts and per-stage compute from the in-memory protocol (both modes); times from the latency model."""
     from dynmo_lightning.balance import bottleneck, partition
-    from dynmo_lightning.balance.diffusion import card_width, drive, start_stages
+    from dynmo_lightning.balance.sweep import sweep_split
     from dynmo_lightning.sim import gather_plan_time, neighbour_plan_time
 
     costs, start = layer_costs(n_layers), uniform(n_layers, n_stages)
-    t0 = time.perf_counter()
-    stages = start_stages(balancer_layers(costs, start))  # the same stage code, cards passed in memory
-    rounds = sum(1 for _ in drive(stages))
-    compute_s = (time.perf_counter() - t0) / n_stages  # the stages run in parallel: one stage's share
-    split, card = [len(s.layers) for s in stages], 8 * card_width(stages[0].width)
-    plan = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        best = partition(costs, n_stages)
-        plan.append(time.perf_counter() - t0)
-    plan_s = statistics.median(plan)
+    split, rounds, compute_s, probes, card = run_in_memory(costs, start, "exact")
+    swept, sweep_rounds, sweep_s, _, sweep_card = run_in_memory(costs, start, "sweep")
+    best = partition(costs, n_stages)
+    plan_s, approx_s = timed(partition, costs, n_stages), timed(sweep_split, costs, n_stages)
     assert bottleneck(costs, split) == bottleneck(costs, best)
-    row = {"stages": n_stages, "layers": n_layers, "rounds": rounds, "probes": stages[0].probes,
+    assert swept == sweep_split(costs, n_stages)
+    row = {"stages": n_stages, "layers": n_layers, "rounds": rounds, "probes": probes,
            "card_bytes": card, "bytes_sent_per_process": 2 * rounds * card,
            "central_bytes_per_process": n_layers * LAYER_BYTES, "stage_compute_ms": 1e3 * compute_s,
-           "optimal_plan_ms": 1e3 * plan_s}  # fmt: skip
+           "optimal_plan_ms": 1e3 * plan_s, "sweep_rounds": sweep_rounds, "sweep_card_bytes": sweep_card,
+           "sweep_bytes_sent_per_process": 2 * sweep_rounds * sweep_card, "sweep_stage_compute_ms": 1e3 * sweep_s,
+           "sweep_split_plan_ms": 1e3 * approx_s, "optimal_bottleneck": bottleneck(costs, best),
+           "sweep_bottleneck": bottleneck(costs, swept), "max_layer": max(costs)}  # fmt: skip
     for latency in LATENCIES:
         us = f"{latency * 1e6:.0f}us"
         model = {"latency": latency, "bandwidth": BANDWIDTH}
+        gather = {"n_layers": n_layers, "n_stages": n_stages, "layer_bytes": LAYER_BYTES, **model}
         row[f"diffusion_ms_{us}"] = 1e3 * neighbour_plan_time(rounds, card, n_stages, compute_s=compute_s, **model)
-        row[f"central_ms_{us}"] = 1e3 * gather_plan_time(n_layers, n_stages, LAYER_BYTES, plan_s=plan_s, **model)
+        row[f"sweep_ms_{us}"] = 1e3 * neighbour_plan_time(
+            sweep_rounds, sweep_card, n_stages, compute_s=sweep_s, **model
+        )
+        row[f"central_ms_{us}"] = 1e3 * gather_plan_time(plan_s=plan_s, **gather)
+        row[f"central_ring_ms_{us}"] = 1e3 * gather_plan_time(plan_s=plan_s, ring=True, **gather)
+        row[f"central_sweep_split_ms_{us}"] = 1e3 * gather_plan_time(plan_s=approx_s, **gather)
     return row
 
 
 def table(results: dict) -> str:
-    """The README's markdown table."""
+    """The README's markdown table: planning time per method at each latency, the sweep's bottleneck."""
     lines = [
-        "| stages | layers | rounds | diffusion @10 µs | central @10 µs | diffusion @100 µs | central @100 µs | "
-        "bytes/process diffusion vs central |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| stages | layers | rounds exact / sweep | @10 µs: exact | sweep | central (tree) | central (ring) | "
+        "@100 µs: exact | sweep | central (tree) | central (ring) | sweep bottleneck ÷ optimal |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["real"]:
-        sent = f"{r['bytes_sent_per_process']} vs {r['layers'] * LAYER_BYTES}"
-        lines.append(f"| {r['stages']} (real) | {r['layers']} | {r['rounds']} | {r['diffusion_ms']:.1f} ms (gloo) | "
-                     f"{r['central_ms']:.1f} ms (gloo) | | | {sent} |")  # fmt: skip
+        ratio = r["sweep_bottleneck"] / r["optimal_bottleneck"]
+        lines.append(f"| {r['stages']} (real, gloo) | {r['layers']} | {r['rounds']} / {r['sweep_rounds']} | "
+                     f"{r['diffusion_ms']:.1f} ms | {r['sweep_ms']:.1f} ms | {r['central_ms']:.1f} ms | | "
+                     f"| | | | {ratio:.3f} |")  # fmt: skip
     for r in results["simulated"]:
-        cells = [f"{r[f'{w}_ms_{us}']:.1f} ms" for us in ("10us", "100us") for w in ("diffusion", "central")]
-        lines.append(f"| {r['stages']} | {r['layers']} | {r['rounds']} | {' | '.join(cells)} | "
-                     f"{r['bytes_sent_per_process']} vs {r['central_bytes_per_process']} |")  # fmt: skip
+        cells = [f"{r[f'{w}_ms_{us}']:.1f} ms" for us in ("10us", "100us")
+                 for w in ("diffusion", "sweep", "central", "central_ring")]  # fmt: skip
+        ratio = r["sweep_bottleneck"] / r["optimal_bottleneck"]
+        lines.append(f"| {r['stages']} | {r['layers']} | {r['rounds']} / {r['sweep_rounds']} | {' | '.join(cells)} | "
+                     f"{ratio:.3f} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -58,10 +58,11 @@ from __future__ import annotations
 import math
 import operator
 from bisect import bisect_right
-from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
+
+import numpy as np
 
 from dynmo_lightning.balance._search import BoundSearch
 from dynmo_lightning.balance._validation import as_capacities, as_values
@@ -254,6 +255,8 @@ class DiffusionStage:
         self.rounds = self.probes = 0
         self.outcome: list[StageOutcome] | None = None
         self._right_first: Layer | None = None
+        self._held_key: tuple[int, int] | None = None
+        self._held_sums = (0.0, 0.0)
         self._program = self._run()
         self.card: Card | None = next(self._program, None)
 
@@ -331,7 +334,7 @@ class DiffusionStage:
                 raw.append((h, index, [layer]))
         pieces = yield from self._flood([self._piece(start, run, h) for h, start, run in raw])
         cuts = final_cuts(raw_cuts(pieces, p, self.n_layers), self.n_layers)
-        if any(bisect_right(cuts, int(piece[0])) != int(piece[3]) for piece in pieces):
+        if _stages_of(pieces, cuts) != [int(piece[3]) for piece in pieces]:
             # Huge layers moved a cut off its equal share: cut its own layers at the final cuts and flood again.
             bounds = sorted({self.first, self.end, *(c for c in cuts if self.first < c < self.end)})
             own = [self._piece(a, self.layers[a - self.first : b - self.first], bisect_right(cuts, a))
@@ -344,14 +347,16 @@ class DiffusionStage:
         self.phase = SCAN
         last = self.n_stages - 1
         offset, after = (0.0 if self.stage == 0 else None), (0.0 if self.stage == last else None)
+        out_right = ((0.0, _fold(costs)),) if offset is not None else ()
+        out_left = ((0.0, _fold(costs) + after),) if after is not None else ()
         for _ in range(last):
-            out_right = ((0.0, _fold(costs, offset)),) if offset is not None else ()
-            out_left = ((0.0, _fold(costs) + after),) if after is not None else ()
             left, right = yield self._card(to_right=out_right, to_left=out_left)
             if offset is None and left is not None and left.to_right:
                 offset = left.to_right[0][1]
+                out_right = ((0.0, _fold(costs, offset)),)
             if after is None and right is not None and right.to_left:
                 after = right.to_left[0][1]
+                out_left = ((0.0, _fold(costs) + after),)
         assert offset is not None and after is not None, "the scan reaches every stage within P - 1 rounds"
         return offset, _fold(costs, offset) + after
 
@@ -364,17 +369,21 @@ class DiffusionStage:
         self.phase = FLOOD
         keep = 4 + self.width  # a decoded entry is padded to the gather's width
         table = {int(piece[0]): piece for piece in mine}
-        queues = (deque(mine), deque(mine))  # to the right, to the left
+        # What is still to forward each way (own pieces, then what arrives from the other side), and how far sent.
+        queues, sent = (list(mine), list(mine)), [0, 0]
         ends = (self.stage == self.n_stages - 1, self.stage == 0)
         for _ in range(flood_rounds(self.n_stages)):
-            lanes = [() if end else tuple(q.popleft() for _ in range(min(self.slots, len(q))))
-                     for q, end in zip(queues, ends, strict=True)]  # fmt: skip
+            lanes = []
+            for way, (queue, end) in enumerate(zip(queues, ends, strict=True)):
+                lanes.append(() if end else tuple(queue[sent[way] : sent[way] + self.slots]))
+                sent[way] += len(lanes[-1])
             left, right = yield self._card(to_right=lanes[0], to_left=lanes[1])
             arrived = (left.to_right if left else (), right.to_left if right else ())
             for lane, queue in zip(arrived, queues, strict=True):
                 for entry in lane:
-                    table[int(entry[0])] = entry[:keep]
-                    queue.append(entry[:keep])
+                    piece = entry if len(entry) == keep else entry[:keep]
+                    table[int(piece[0])] = piece
+                    queue.append(piece)
         pieces = [table[k] for k in sorted(table)]
         if [int(x[0]) for x in pieces[1:]] != [int(x[1]) for x in pieces[:-1]] or pieces[-1][1] != self.n_layers:
             raise RuntimeError(f"diffusion stage {self.stage}: the flood left a gap in the pieces of the model")
@@ -382,19 +391,17 @@ class DiffusionStage:
 
     def _tally(self, pieces: Sequence[Sequence[float]], cuts: Sequence[int]) -> list[StageOutcome]:
         """Every stage's outcome from the pieces (each tagged with its old and new stage) and the final cuts."""
-        new, received, old = ([[] for _ in range(self.n_stages)] for _ in range(3))
-        for piece in pieces:
-            was, now, sums = int(piece[2]), int(piece[3]), piece[4:]
-            new[now].append(sums)
-            old[was].append(sums)
-            if was != now:
-                received[now].append(sums)
-        sizes = sizes_of(cuts, self.n_layers)
-        return [StageOutcome(sizes[s], self._total(new[s]), self._total(received[s]), self._total(old[s]))
-                for s in range(self.n_stages)]  # fmt: skip
+        table = np.asarray(pieces, dtype=np.float64)
+        was, now, sums = table[:, 2].astype(np.int64), table[:, 3].astype(np.int64), table[:, 4:]
+        moved = (was != now).astype(np.float64)
 
-    def _total(self, rows: Sequence[Sequence[float]]) -> tuple[float, ...]:
-        return self._sums(rows) if rows else (0.0,) * self.width
+        def per_stage(stage: np.ndarray, weight: np.ndarray | float = 1.0) -> list[list[float]]:
+            columns = [np.bincount(stage, weights=column * weight, minlength=self.n_stages) for column in sums.T]
+            return np.stack(columns, axis=1).tolist()
+
+        new, received, old = per_stage(now), per_stage(now, moved), per_stage(was)
+        sizes = sizes_of(cuts, self.n_layers)
+        return [StageOutcome(sizes[s], tuple(new[s]), tuple(received[s]), tuple(old[s])) for s in range(self.n_stages)]
 
     def _settle(self) -> Generator[Card, Neighbours, None]:
         yield from self._phase(PUSH)
@@ -453,10 +460,21 @@ class DiffusionStage:
 
     # ----------------------------------------------------------------------------------------------------------------
     def _load(self) -> float:
-        return _fold(layer[0] for layer in self.layers)
+        return self._held()[0]
 
     def _memory(self) -> float:
-        return _fold(layer[1] for layer in self.layers)
+        return self._held()[1]
+
+    def _held(self) -> tuple[float, float]:
+        """Load and memory of its layers, added up again only when they changed (a card is built every round).
+
+        Its layers are always the model's ``[first, end)``, so that range names what it holds.
+        """
+        key = (self.first, len(self.layers))
+        if self._held_key != key:
+            self._held_key = key
+            self._held_sums = (_fold(x[0] for x in self.layers), _fold(x[1] for x in self.layers))
+        return self._held_sums
 
     def _fits(self) -> bool:
         assert self.bound is not None
@@ -734,3 +752,13 @@ def diffuse(
 
 def _lane(entry: tuple[float, ...] | None) -> tuple[tuple[float, ...], ...]:
     return () if entry is None else (entry,)
+
+
+def _stages_of(pieces: Sequence[Sequence[float]], cuts: Sequence[int]) -> list[int]:
+    """The stage each piece (sorted, tiling the model) starts in under ``cuts``: one merge of two sorted lists."""
+    stages, stage = [], 0
+    for piece in pieces:
+        while stage < len(cuts) and cuts[stage] <= piece[0]:
+            stage += 1
+        stages.append(stage)
+    return stages

@@ -35,12 +35,20 @@ def neighbour_plan_time(
 
 
 def gather_plan_time(
-    n_layers: int, n_stages: int, layer_bytes: int, *, latency: float, bandwidth: float, plan_s: float
+    n_layers: int,
+    n_stages: int,
+    layer_bytes: int,
+    *,
+    latency: float,
+    bandwidth: float,
+    plan_s: float,
+    ring: bool = False,
 ) -> float:
     """Seconds the centralised planner takes: all-gather every layer's numbers, then plan (on every process).
 
     The all-gather is counted at its best (recursive doubling): ``ceil(log2 P)`` message latencies, and each
-    process receives the ``(P - 1) / P`` share of the data it lacks.
+    process receives the ``(P - 1) / P`` share of the data it lacks. With ``ring``, as a ring all-gather (what
+    gloo's and NCCL's ``all_gather`` run): ``P - 1`` latencies, the same bytes.
 
     Args:
         n_layers: layers of the model.
@@ -49,6 +57,8 @@ def gather_plan_time(
         latency: seconds of one message.
         bandwidth: bytes per second of a link.
         plan_s: measured time of the central planner (``partition(..., method="optimal")``).
+        ring: price the all-gather as a ring instead of recursive doubling.
     """
     data = n_layers * layer_bytes * (n_stages - 1) / n_stages
-    return _hops(n_stages) * latency + data / bandwidth + plan_s
+    hops = n_stages - 1 if ring else _hops(n_stages)
+    return hops * latency + data / bandwidth + plan_s

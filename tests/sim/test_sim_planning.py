@@ -19,6 +19,8 @@ def test_neighbour_time_is_rounds_of_one_card_plus_the_termination_check():
 def test_gather_time_is_log_p_latencies_the_missing_data_and_the_plan():
     t = gather_plan_time(1000, 64, 40, latency=1e-4, bandwidth=1e9, plan_s=0.002)
     assert t == pytest.approx(6 * 1e-4 + 1000 * 40 * 63 / 64 / 1e9 + 0.002)
+    ring = gather_plan_time(1000, 64, 40, latency=1e-4, bandwidth=1e9, plan_s=0.002, ring=True)
+    assert ring == pytest.approx(t + (63 - 6) * 1e-4)  # a ring all-gather: P - 1 latencies
 
 
 def test_model_priced_with_the_protocols_real_rounds():
