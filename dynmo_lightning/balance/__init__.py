@@ -12,7 +12,9 @@ the number of layers, stage ``i`` holding the next contiguous block. Stages and 
   ``"uniform"`` (by layer count), ``"params"`` (optimal split of parameter counts, the DeepSpeed baseline done
   exactly), ``"static_time"`` (optimal split of times profiled once, the torchgpipe baseline) and ``"diffusion"``
   (decentralised neighbour-only protocol from the uniform split; it ends on an optimal split).
-* :func:`diffuse` - the diffusion protocol from any starting split, all stages simulated in one process;
+* :func:`diffuse` - the diffusion protocol from any starting split, all stages simulated in one process, in mode
+  ``"exact"`` (the optimal split) or ``"sweep"`` (:mod:`~dynmo_lightning.balance.sweep`: one prefix scan and
+  equal-share cuts, bottleneck below the optimum plus the largest layer cost, about ``2 P`` rounds);
   :class:`DiffusionResult` reports the split, rounds used, bottleneck and whether it finished within ``max_rounds``.
   One stage of it is :class:`~dynmo_lightning.balance.diffusion.DiffusionStage`, the state machine the runtime
   drives point-to-point (:mod:`dynmo_lightning.pipeline.neighbours`).

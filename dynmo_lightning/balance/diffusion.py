@@ -8,12 +8,17 @@ tests); :func:`dynmo_lightning.pipeline.neighbours.run_stage` drives one stage p
 messages on the pipeline group (the balancer at runtime). Both run the same code, so they take the same rounds and
 end on the same split.
 
-The protocol runs in synchronous rounds. In round ``r`` only the boundaries ``p`` (between stages ``p`` and
+Two modes. ``"exact"`` (below) ends on the optimal split, in about a dozen probes of ``~3 P`` rounds each.
+``"sweep"`` (:mod:`~dynmo_lightning.balance.sweep`) scans prefix sums once, cuts at equal shares locally and floods
+the resulting pieces: about ``2 P`` rounds, bottleneck below the optimum plus the largest layer cost. Both use the
+same cards, drivers and outcome.
+
+The exact protocol runs in synchronous rounds. In round ``r`` only the boundaries ``p`` (between stages ``p`` and
 ``p + 1``) with ``p % 2 == r % 2`` may move, one layer at a time, so no stage gains or loses layers on both sides at
 once and no layer skips a stage. A card carries what the neighbour needs to take the same decision on the boundary
 the two share: the stage's load and memory, its layer count and end, its first and last layer (so a moved layer's
 numbers travel with it), a push flag, a relay flag, the latest round it heard of activity, three reduction values
-and two gather entries.
+and a lane of entries each way (one gather entry in exact mode; prefix sums and pieces in sweep mode).
 
 Besides layers, the stages diffuse a bottleneck bound ``B``: every stage runs its own copy of the exact search of
 :class:`~dynmo_lightning.balance._search.BoundSearch`, fed with values all-reduced over neighbour links (each round

@@ -24,11 +24,13 @@ Guarantee. Let ``B*`` be the optimal bottleneck and ``c_max`` the largest layer 
   starts at ``C(a) >= k S / P - c_a / 2``, its last layer ``b`` ends at ``C(b) + c_b < (k + 1) S / P + c_b / 2``,
   so its load and that of any block inside it is ``< S / P + (c_a + c_b) / 2 <= S / P + c_max``.
 * Raw stages may be empty (a layer above ``S / P``) or leave too few layers for the stages after them. The final
-  cuts ``J_k = min(k + max_{m <= k} (r_m - m), L - P + k)`` rise strictly (both terms do) from ``J_1 >= 1`` to
-  ``J_{P-1} <= L - 1``: every stage holds at least one layer. Each final stage ``[J_s, J_{s+1})`` is either one
-  layer (load ``<= c_max <= B*``) or lies inside raw stage ``s``: if ``J_{s+1} > r_{s+1}``, the max is reached
-  at some ``m <= s``, so ``J_{s+1} <= J_s + 1``; and ``J_s < r_s`` only when ``J_s = L - P + s``, which makes
-  ``J_{s+1} = J_s + 1``.
+  cuts are ``J_k = min(A_k, L - P + k)`` with ``A_k = k + max_{0 <= m <= k} (r_m - m)`` (``J_0 = 0``,
+  ``J_P = L``). Both terms rise strictly with ``k``, ``J_1 >= 1`` and ``J_{P-1} <= L - 1``: every stage holds
+  at least one layer. Each final stage ``[J_s, J_{s+1})`` is one layer (load ``<= c_max <= B*``) or lies inside
+  raw stage ``s = [r_s, r_{s+1})``: (i) if ``J_{s+1} > r_{s+1}``, then ``A_{s+1} = A_s + 1`` (the max is reached
+  at some ``m <= s``), and either ``J_s = A_s``, so ``J_{s+1} <= J_s + 1``, or ``J_s = L - P + s < A_s``, so
+  ``J_{s+1} = L - P + s + 1``: one layer either way; (ii) if ``J_s < r_s``, then ``J_s = L - P + s`` (as
+  ``A_s >= r_s``), so ``J_{s+1} = J_s + 1``: one layer.
 * ``B* >= S / P`` (some stage carries the average) and ``B* >= c_max`` (some stage holds the largest layer).
 
 With float costs the bound holds up to the rounding of the sums (exactly for integer-valued costs). Memory is not

@@ -69,6 +69,18 @@ def test_huge_layers_move_cuts_and_still_leave_every_stage_a_layer():
     assert final_cuts([6, 6, 6], 6) == [3, 4, 5]  # no cut leaves fewer layers than stages after it
 
 
+@PROPERTY
+@given(st.integers(1, 12).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n))), st.data())
+def test_final_cuts_give_every_stage_a_layer_inside_its_equal_share_or_alone(shape, data):
+    n_layers, n_stages = shape
+    raw = sorted(data.draw(st.lists(st.integers(0, n_layers), min_size=n_stages - 1, max_size=n_stages - 1)))
+    cuts = final_cuts(raw, n_layers)
+    bounds, shares = [0, *cuts, n_layers], [0, *raw, n_layers]
+    assert all(a < b for a, b in itertools.pairwise(bounds))  # every stage holds a layer
+    for s, (a, b) in enumerate(itertools.pairwise(bounds)):
+        assert b - a == 1 or shares[s] <= a < b <= shares[s + 1]  # the lemma of the proof
+
+
 def test_rounds_at_scale_are_a_scan_and_a_flood():
     rng = random.Random(0)
     costs = [float(rng.randint(300, 1000) // (3 if i < 250 else 1)) for i in range(1000)]
