@@ -1,8 +1,10 @@
-"""Brute force over every split: the reference the exact planners are tested against."""
+"""Brute force over every split: the reference the planners are tested against, and the problems they get."""
 
 from __future__ import annotations
 
 import itertools
+
+from hypothesis import strategies as st
 
 
 def compositions(n_layers: int, n_stages: int):
@@ -30,3 +32,15 @@ def brute_force(costs, n_stages, memory=None, capacity=None):
         return None, []
     best = min(score for score, _ in scored)
     return best, [sizes for score, sizes in scored if score == best]
+
+
+@st.composite
+def started(draw, elements):
+    """(costs, starting split) with up to 12 layers on up to 5 stages, the start drawn at random."""
+    n_layers = draw(st.integers(1, 12))
+    n_stages = draw(st.integers(1, min(n_layers, 5)))
+    costs = draw(st.lists(elements, min_size=n_layers, max_size=n_layers))
+    cuts = []
+    if n_stages > 1:
+        cuts = sorted(draw(st.sets(st.integers(1, n_layers - 1), min_size=n_stages - 1, max_size=n_stages - 1)))
+    return costs, [b - a for a, b in itertools.pairwise([0, *cuts, n_layers])]

@@ -7,6 +7,7 @@ import math
 import random
 
 import pytest
+from brute import started
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,20 +23,9 @@ from dynmo_lightning.balance.diffusion import (
     stage_layers,
     start_stages,
 )
+from dynmo_lightning.balance.sweep import sweep_split
 
 PROPERTY = settings(max_examples=200, deadline=None)
-
-
-@st.composite
-def started(draw, elements):
-    """(costs, starting split) with up to 12 layers on up to 5 stages, the start drawn at random."""
-    n_layers = draw(st.integers(1, 12))
-    n_stages = draw(st.integers(1, min(n_layers, 5)))
-    costs = draw(st.lists(elements, min_size=n_layers, max_size=n_layers))
-    cuts = []
-    if n_stages > 1:
-        cuts = sorted(draw(st.sets(st.integers(1, n_layers - 1), min_size=n_stages - 1, max_size=n_stages - 1)))
-    return costs, [b - a for a, b in itertools.pairwise([0, *cuts, n_layers])]
 
 
 @PROPERTY
@@ -60,9 +50,10 @@ def test_float_costs_reach_the_optimal_bottleneck(problem):
     assert math.isclose(result.bottleneck, best, rel_tol=1e-9, abs_tol=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["exact", "sweep"])
 @PROPERTY
 @given(started(st.integers(0, 30)), st.data())
-def test_respects_a_shared_memory_capacity(problem, data):
+def test_respects_a_shared_memory_capacity(mode, problem, data):
     costs, start = problem
     memory = data.draw(st.lists(st.integers(0, 10), min_size=len(costs), max_size=len(costs)))
     capacity = data.draw(st.integers(0, 40))
@@ -70,11 +61,16 @@ def test_respects_a_shared_memory_capacity(problem, data):
         expected = partition(costs, len(start), memory=memory, capacity=capacity)
     except InfeasibleMemoryError:
         with pytest.raises(InfeasibleMemoryError):
-            diffuse(costs, start, memory=memory, capacity=capacity)
+            diffuse(costs, start, memory=memory, capacity=capacity, mode=mode)
         return
-    result = diffuse(costs, start, memory=memory, capacity=[capacity] * len(start))
+    result = diffuse(costs, start, memory=memory, capacity=[capacity] * len(start), mode=mode)
     assert result.converged
-    assert result.layers_per_stage == expected
+    swept = sweep_split(costs, len(start))
+    ends = [0, *itertools.accumulate(swept)]
+    if mode == "sweep" and all(sum(memory[a:b]) <= capacity for a, b in itertools.pairwise(ends)):
+        assert result.layers_per_stage == swept and result.probes == 0
+    else:  # exact; or the sweep's equal-share split broke the capacity, every stage saw it and went on in exact mode
+        assert result.layers_per_stage == expected
 
 
 @settings(max_examples=100, deadline=None)

@@ -7,29 +7,18 @@ import itertools
 import random
 
 import pytest
-from brute import brute_force
+from brute import brute_force, started
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynmo_lightning.balance import BalancePolicy, InfeasibleMemoryError, bottleneck, diffuse, partition
+from dynmo_lightning.balance import BalancePolicy, bottleneck, diffuse, partition
 from dynmo_lightning.balance.diffusion import Card, DiffusionStage, drive, stage_layers, start_stages
 from dynmo_lightning.balance.sweep import SLOTS, final_cuts, flood_rounds, sweep_rounds, sweep_split
 
 PROPERTY = settings(max_examples=300, deadline=None)
 
 
-@st.composite
-def started(draw, elements):
-    """(costs, starting split) with up to 10 layers on up to 5 stages; some layers may be huge."""
-    n_layers = draw(st.integers(1, 10))
-    n_stages = draw(st.integers(1, min(n_layers, 5)))
-    costs = draw(st.lists(elements, min_size=n_layers, max_size=n_layers))
-    cuts = []
-    if n_stages > 1:
-        cuts = sorted(draw(st.sets(st.integers(1, n_layers - 1), min_size=n_stages - 1, max_size=n_stages - 1)))
-    return costs, [b - a for a, b in itertools.pairwise([0, *cuts, n_layers])]
-
-
+#: Layer costs, some far above S / P (they leave equal shares empty and move cuts).
 SPIKY = st.one_of(st.integers(0, 40), st.integers(100, 1000))
 
 
@@ -125,27 +114,6 @@ def test_cards_with_lanes_round_trip():
         crowded.encode(1)
     with pytest.raises(ValueError, match="diffusion mode 'fast' is not one of"):
         DiffusionStage(0, 2, 0, [(1.0, 0.0)], n_layers=2, mode="fast")
-
-
-@settings(max_examples=150, deadline=None)
-@given(started(st.integers(0, 30)), st.data())
-def test_a_capacity_the_sweep_breaks_falls_back_to_the_exact_mode(problem, data):
-    costs, start = problem
-    memory = data.draw(st.lists(st.integers(0, 10), min_size=len(costs), max_size=len(costs)))
-    capacity = data.draw(st.integers(0, 40))
-    try:
-        exact = partition(costs, len(start), memory=memory, capacity=capacity)
-    except InfeasibleMemoryError:
-        with pytest.raises(InfeasibleMemoryError):
-            diffuse(costs, start, memory=memory, capacity=capacity, mode="sweep")
-        return
-    result = diffuse(costs, start, memory=memory, capacity=capacity, mode="sweep")
-    split = sweep_split(costs, len(start))
-    ends = [0, *itertools.accumulate(split)]
-    if all(sum(memory[a:b]) <= capacity for a, b in itertools.pairwise(ends)):
-        assert result.layers_per_stage == split and result.probes == 0
-    else:  # the equal-share split breaks the capacity: every stage saw it and went on in exact mode
-        assert result.layers_per_stage == exact and (result.probes > 0 or len(start) == 1)
 
 
 def test_policy_plans_in_the_configured_mode():
