@@ -556,7 +556,8 @@ class DiffusionRound:
 
     Attributes:
         index: round number, from 1; boundary ``p`` may move only in rounds with ``index % 2 == p % 2``.
-        phase: ``"reduce"`` (all-reduce over neighbour links), ``"push"``, ``"pull"`` or ``"gather"``.
+        phase: ``"reduce"`` (all-reduce over neighbour links), ``"push"``, ``"pull"`` or ``"gather"`` (exact mode);
+            ``"scan"`` or ``"flood"`` (sweep mode).
         bound: the bottleneck bound the stages work against, or ``None`` before they have agreed on one.
         layers_per_stage: split after the round.
 
