@@ -5,7 +5,7 @@ probes of ``~3 P`` rounds each, the sweep mode plans in three short phases over 
 
 1. *scan*, ``P - 1`` rounds: a forward sweep passes each stage the cost of all layers before it (a prefix sum,
    added left to right) and a backward sweep the cost of all layers after it, concurrently; after ``P - 1`` rounds
-   every stage knows its offset ``C(first)`` and the total ``S``. A message is one number each way.
+   every stage knows its offset ``C(first)`` and the total ``S``. A card's lane carries one number each way.
 2. *local cut*: each stage places each of its layers ``j`` (cost ``c_j``, cumulative start ``C(j)``) on the stage
    of its equal share, :func:`share`: ``h(j) = #{k in 1..P-1 : k S / P <= C(j) + c_j / 2}`` (the layer's midpoint;
    ``h`` never falls along the model). Runs of its layers with the same ``h`` are its *pieces*: ``(start, end,
