@@ -4,9 +4,10 @@ Every case trains the reference GPT from the same seed with one dynamic (:data:`
 :mod:`~dynmo_lightning.bench.timeline` compressed into a short run) under one policy. The cases of all repeats run
 back to back in one set of processes, policies alternating (A B A B ...), so that drift of the machine falls on both.
 Measured per case: tokens per second over the window ``[measure_from, steps)``, the per-layer costs the balancer
-profiled in that window (from which the 1F1B cost model, with the measured point-to-point time, predicts the ideal
-ratio of the optimal split over the uniform one), when the dynamic changed layers and when the balancer moved them
-(the reaction lag), and the validation loss. The math of both policies is the same, so are their losses.
+profiled in that window (from which a simulation of the 1F1B schedule, with the measured point-to-point time,
+predicts the ideal ratio of the best split over the uniform one), when the dynamic changed layers and when the
+balancer moved them (the reaction lag), and the validation loss. The math of both policies is the same, so are
+their losses.
 
 :func:`worker` is one rank (``python -m dynmo_lightning.bench worker SPEC``); :func:`summarize` turns the cases into
 ratios with 95 % intervals.
@@ -14,6 +15,7 @@ ratios with 95 % intervals.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -27,10 +29,11 @@ import torch
 import torch.distributed as dist
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
-from dynmo_lightning.balance import partition, stage_times, step_time
+from dynmo_lightning.balance import partition
 from dynmo_lightning.callbacks import GradualPruning, LayerFreezing, TokenEarlyExit
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
+from dynmo_lightning.sim import simulate_layers
 
 
 def real_preset(dynamic: str, n_layers: int) -> L.Callback | None:
@@ -100,15 +103,31 @@ class WindowCosts(L.Callback):
 
 
 def ideal_ratio(costs: dict[str, Any], n_stages: int, n_microbatches: int, p2p: float) -> float:
-    """Step time of the uniform split over the optimal split's, by the 1F1B cost model, from measured costs."""
+    """Step time of the uniform split over the best split's, both simulated in the runtime's 1F1B order.
+
+    The closed-form 1F1B model (``balance.step_time``: ``sum + (M - 1) max``) overstates a heavy *first* stage at
+    few micro-batches: its extra work overlaps the later stages' fill and drain. So the ideal comes from the
+    discrete-event simulator of ``Schedule1F1B``'s task order (:func:`~dynmo_lightning.sim.simulate_layers`), and
+    the best split is searched over every contiguous split when there are at most :data:`_EXHAUSTIVE` of them
+    (P = 2: ``L - 1``), else it is ``optimal``'s min-max split.
+    """
     fwd, bwd = costs["fwd"], costs["bwd"]
     both = [f + b for f, b in zip(fwd, bwd, strict=True)]
 
-    def predicted(split: list[int]) -> float:
-        return step_time(*stage_times(fwd, bwd, split), n_microbatches, "1f1b", p2p)
+    def simulated(split: list[int]) -> float:
+        return simulate_layers(fwd, bwd, split, n_microbatches, "1f1b", p2p).step_time
 
-    uniform = partition(both, n_stages, method="uniform")
-    return predicted(uniform) / predicted(partition(both, n_stages, method="optimal"))
+    n_layers = len(both)
+    if math.comb(n_layers - 1, n_stages - 1) <= _EXHAUSTIVE:
+        cuts = itertools.combinations(range(1, n_layers), n_stages - 1)
+        candidates = [[b - a for a, b in itertools.pairwise((0, *c, n_layers))] for c in cuts]
+    else:
+        candidates = [partition(both, n_stages, method="optimal")]
+    return simulated(partition(both, n_stages, method="uniform")) / min(map(simulated, candidates))
+
+
+#: Most contiguous splits :func:`ideal_ratio` simulates one by one.
+_EXHAUSTIVE = 2000
 
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:

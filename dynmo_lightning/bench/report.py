@@ -361,7 +361,9 @@ def _real_section(real: Mapping[str, Any]) -> list[str]:
         f"{cfg['world_size']} ranks, GPT {cfg['model']['n_layer']} blocks x {cfg['model']['n_embd']}, batches of "
         f"{cfg['data']['batch_size']} x {cfg['data']['block_size']} tokens in {cfg['microbatches']} micro-batches, "
         f"{cfg['steps']} steps, tokens/s from step {cfg['measure_from']}; {cfg['repeats']} repeats, policies "
-        f"alternating; one activation hop {hop:.2f} ms. Ratio: DynMo's tokens/s over the uniform run beside it.",
+        f"alternating; one activation hop {hop:.2f} ms. Ratio: DynMo's tokens/s over the uniform run beside it. "
+        "Ideal: the uniform split's step time over the best split's, both simulated in `Schedule1F1B`'s task order "
+        "from the per-layer costs DynMo's balancer measured in the same window.",
         "",
         *real_table(real),
         "",

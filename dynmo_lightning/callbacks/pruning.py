@@ -191,12 +191,7 @@ class GradualPruning(Callback):
             # Ties break by (module, unit) order, so every process picks the same units.
             chosen = {k: set(_top(scores[k][2], min(self.min_units, len(scores[k][2])))) for k in keys}
             rest = sorted(
-                (
-                    (-v, n, j)
-                    for n, k in enumerate(keys)
-                    for j, v in enumerate(scores[k][2])
-                    if j not in chosen[k]
-                )
+                ((-v, n, j) for n, k in enumerate(keys) for j, v in enumerate(scores[k][2]) if j not in chosen[k])
             )
             for _, n, j in rest[: max(0, budget - sum(len(c) for c in chosen.values()))]:
                 chosen[keys[n]].add(j)

@@ -96,7 +96,6 @@ class HostSyncCounter(Callback):
     def _leaving(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._in_optimizer = False
 
-
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         self._close()

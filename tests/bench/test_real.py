@@ -6,6 +6,7 @@ import statistics
 
 import pytest
 
+from dynmo_lightning.balance import stage_times, step_time
 from dynmo_lightning.bench.real import ideal_ratio, interval95, summarize
 
 LINK = {"p2p_latency_s": 0.0, "p2p_bytes": 0, "p2p_bytes_per_s": 1.0}
@@ -19,12 +20,20 @@ def test_interval_is_students_t():
 
 
 def test_ideal_ratio_from_the_window_costs():
-    # four equal layers, the first two frozen (forward only): uniform [2, 2] carries 2 vs 6, optimal [3, 1] 5 vs 3
+    # four equal layers, the first two frozen (forward only). Uniform [2, 2]: stage 0 runs F=2, B=0, stage 1 F=2,
+    # B=4: the last stage paces the step, 8 + 3 * 6 = 26 (closed form and schedule agree). The best split, [3, 1]
+    # (F=3, B=2 | F=1, B=2), runs in 21 in Schedule1F1B's order (stage 0: F0 0-3, F1 3-6, B0 6-8, F2 8-11, B1 11-13,
+    # F3 13-16, B2 16-18, B3 19-21) where the closed form says 8 + 3 * 5 = 23: its heavy first stage overlaps fill.
     costs = {"fwd": [1.0] * 4, "bwd": [0.0, 0.0, 2.0, 2.0]}
-    m = 4
-    uniform = (2 + 6) + (m - 1) * 6
-    best = (5 + 3) + (m - 1) * 5
-    assert ideal_ratio(costs, 2, m, 0.0) == pytest.approx(uniform / best)
+    assert step_time(*stage_times(costs["fwd"], costs["bwd"], [3, 1]), 4, "1f1b", 0.0) == pytest.approx(23)
+    assert ideal_ratio(costs, 2, 4, 0.0) == pytest.approx(26 / 21)
+
+
+def test_ideal_ratio_searches_every_split_when_few():
+    # a heavy first layer: at one micro-batch every split takes the whole sum, so nothing beats uniform
+    costs = {"fwd": [3.0, 1.0, 1.0, 1.0, 1.0], "bwd": [6.0, 2.0, 2.0, 2.0, 2.0]}
+    assert ideal_ratio(costs, 2, 1, 0.0) == pytest.approx(1.0)
+    assert ideal_ratio(costs, 3, 8, 0.0) >= 1.0
 
 
 def test_summary_pairs_repeats_and_finds_the_lag():
