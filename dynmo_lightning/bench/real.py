@@ -173,6 +173,11 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     if balancer is not None and costs is not None:
         result["profile_every_n_steps"] = balancer.policy.profile_every_n_steps
         result["window_costs"] = costs.mean()
+        result["checks"] = [
+            {k: h.get(k) for k in ("step", "current", "proposed", "migrated", "current_step_s", "predicted_step_s",
+                                   "predicted_saving_s", "predicted_migration_s")}
+            for h in balancer.history
+        ]  # fmt: skip
         moves = [h for h in balancer.history if h.get("migrated") and h["migrate_s"] > 0]
         if moves:  # this process's bytes over its migration time
             result["migration_bytes_per_s"] = sum(h["bytes_moved"] for h in moves) / sum(h["migrate_s"] for h in moves)
@@ -282,16 +287,26 @@ def summarize(
 
 
 def _lag(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Steps from each dynamics event (or burst of events) to the balancer's next move, over all repeats."""
-    lags, interval = [], None
+    """Steps from each dynamics event (or burst of events) to the move that answered it, over all repeats.
+
+    A move answers an event when it is the first move after the event and comes before the next event. An event with
+    no move before the next one (every check in between kept the split: by the balancer's cost model the re-plan did
+    not pay) has no lag; ``answered`` of ``events`` says how many were answered.
+    """
+    lags, interval, total = [], None, 0
     for run in runs:
         interval = run.get("profile_every_n_steps", interval)
         events, moves = run["events"], run["moves"]
         bursts = [e for k, e in enumerate(events) if k + 1 == len(events) or events[k + 1] - e > 1]
-        for event in bursts:
-            later = [m for m in moves if m >= event]
-            if later:
-                lags.append(later[0] - event)
+        total += len(bursts)
+        for k, event in enumerate(bursts):
+            until = bursts[k + 1] if k + 1 < len(bursts) else math.inf
+            answer = [m for m in moves if event <= m < until]
+            if answer:
+                lags.append(answer[0] - event)
     if not lags or interval is None:
         return None
-    return {"max_steps": max(lags), "profile_interval": interval, "max_intervals": max(lags) / interval}
+    return {
+        "max_steps": max(lags), "profile_interval": interval, "max_intervals": max(lags) / interval,
+        "answered": len(lags), "events": total,
+    }  # fmt: skip

@@ -149,7 +149,12 @@ def real_table(real: Mapping[str, Any]) -> list[str]:
         if uniform is None or dynmo is None:
             continue
         lag = dynmo.get("reaction_lag_steps")
-        lag_text = f"{lag['max_steps']} steps ({lag['max_intervals']:.1f} profile intervals)" if lag else "—"
+        lag_text = (
+            f"{lag['max_steps']} steps ({lag['max_intervals']:.1f} profile intervals; moves after "
+            f"{lag.get('answered', '?')} of {lag.get('events', '?')} events)"
+            if lag
+            else "—"
+        )
         speeds = f"{np.mean(uniform['tokens_per_s']):,.0f} | {np.mean(dynmo['tokens_per_s']):,.0f}"
         ratio = f"**{_x(dynmo['ratio'])}** [{dynmo['ratio_low']:.3f}, {dynmo['ratio_high']:.3f}]"
         lines.append(

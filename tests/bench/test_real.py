@@ -52,4 +52,9 @@ def test_summary_pairs_repeats_and_finds_the_lag():
     assert dynmo["ratios"] == pytest.approx([1.2, 125 / 110])
     assert dynmo["ideal_ratio"] == pytest.approx(1.0) and rows["uniform"]["ratio"] == 1.0
     # bursts end at steps 11 and 25; the moves follow 3 steps later: 3 steps = 0.6 profile intervals
-    assert dynmo["reaction_lag_steps"] == {"max_steps": 3, "profile_interval": 5, "max_intervals": 0.6}
+    lag = {"max_steps": 3, "profile_interval": 5, "max_intervals": 0.6, "answered": 4, "events": 4}
+    assert dynmo["reaction_lag_steps"] == lag
+    # a burst that no move answered before the next one has no lag (its checks kept the split); it is counted
+    results["freezing-optimal-1"]["moves"] = [28]
+    rows = {r["policy"]: r for r in summarize(cases, results, LINK)}
+    assert rows["optimal"]["reaction_lag_steps"] == lag | {"answered": 3}
