@@ -127,7 +127,7 @@ def test_report_bench(tmp_path):
     real = next(r for r in json.loads((d / "real.json").read_text())["rows"] if r["policy"] == "optimal")
     row = next(line for line in md.splitlines() if line.startswith("| freezing | 105 | 122 |"))
     assert f"**{real['ratio']:.2f}\u00d7** [{real['ratio_low']:.3f}, {real['ratio_high']:.3f}]" in row
-    assert "2 steps (0.4 profile intervals)" in row
+    assert "2 steps (0.4 profile intervals; moves after 6 of 6 events)" in row
     # The sweep names where the seed's figure is (or is not) reached.
     assert "**freezing** (AutoFreeze (growing frozen prefix)): the oracle " in md
 
