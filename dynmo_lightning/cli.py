@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 import dynmo_lightning  # noqa: F401  (registers strategy="dynmo")
 from dynmo_lightning.callbacks import CostTrace, RunSummary
 from dynmo_lightning.pipeline import sharded
+from dynmo_lightning.pipeline.safe_load import CheckpointRefused
 
 #: Environment variables Lightning's process launcher sets for the ranks it starts.
 _LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -145,7 +146,10 @@ def export(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not os.path.exists(args.checkpoint):
         raise SystemExit(f"dynmo-export: {args.checkpoint} does not exist")
-    whole = sharded.load_whole(args.checkpoint)
+    try:
+        whole = sharded.load_whole(args.checkpoint)
+    except CheckpointRefused as e:  # a crafted file: one clear line, nothing of it ran
+        raise SystemExit(f"dynmo-export: {e}") from None
     if args.hf:
         _export_hf(whole, args.out)
         return

@@ -548,10 +548,12 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if weights_only is False:
+            raise ValueError(ckpt.UNSAFE_LOAD)
         if sharded.is_sharded(checkpoint_path):
             checkpoint = sharded.load_meta(checkpoint_path)  # each stage reads its own tensors from the shards
-        else:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        else:  # weights_only=True also for URLs, where Lightning's default would unpickle freely
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True)
         ckpt.warn_layout_change(checkpoint, checkpoint_path, self.dp_size)
         return checkpoint
 

@@ -145,7 +145,7 @@ def test_export_is_a_plain_state_dict(runs, tmp_path):
     model = instantiate(cfg.model, _convert_="all")
     model.configure_model()  # the layers are made here (on the meta device under the strategy)
     model.load_state_dict(state, strict=True)
-    single = torch.load(runs["single"].run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    single = torch.load(runs["single"].run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert_close_params(state, single["state_dict"], rtol=1e-6)
 
 

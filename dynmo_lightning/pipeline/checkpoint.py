@@ -10,6 +10,7 @@ back, and :class:`AtomicCheckpointIO` (the strategy's ``CheckpointIO``) writes t
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -23,9 +24,17 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dynmo_lightning.pipeline.layout import PipelineGroup, ReplicaLayout
+from dynmo_lightning.pipeline.safe_load import CheckpointRefused
 
 #: Marks optimizer state written in the named format.
 NAMED_FORMAT = "dynmo-named-v1"
+
+#: Why ``weights_only=False`` is refused (``trainer.fit(..., weights_only=False)``).
+UNSAFE_LOAD = (
+    "weights_only=False: DynMoStrategy loads every checkpoint with weights_only=True, so that no file it reads can run "
+    "code (docs/checkpoints.md). Drop the argument; allow classes of your own that your checkpoints hold with "
+    "torch.serialization.add_safe_globals([...])."
+)
 
 
 def _flat_params(optimizer: Optimizer) -> list[nn.Parameter]:
@@ -221,6 +230,8 @@ class AtomicCheckpointIO(_WrappingCheckpointIO):
             checkpoint = self.checkpoint_io.load_checkpoint(path, map_location=map_location, **kwargs)
         except FileNotFoundError:
             raise
+        except pickle.UnpicklingError as e:  # the loader refused what the file asked for: say so, not "truncated"
+            raise CheckpointRefused.from_error(path, e) from None
         except Exception as e:
             raise ValueError(
                 f"ckpt_path={os.fspath(path)} is not a readable checkpoint ({type(e).__name__}: {e}); it may be "

@@ -20,7 +20,7 @@ import os
 import shutil
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
+from dynmo_lightning.pipeline import safe_load
 from dynmo_lightning.pipeline.checkpoint import (
     NAMED_FORMAT,
     check_keys,
@@ -115,7 +117,9 @@ def load_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     d = _directory(path)
     if d is None:
         raise FileNotFoundError(f"{os.fspath(path)} is not a sharded checkpoint (it has no {META})")
-    meta = torch.load(d / META, map_location="cpu", weights_only=False)
+    meta = safe_load.load_file(d / META)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{d / META} holds a {type(meta).__name__}, not a checkpoint's entries")
     meta[SHARDS_KEY] = os.fspath(d)
     meta["state_dict"] = {}  # each stage reads its own part: load_stage_model
     return meta
@@ -127,15 +131,14 @@ def load_stage_model(module: nn.Module, shards: str, global_keys: set[str], stri
     Raises:
         RuntimeError: the checkpoint does not match the model (keys missing on either side, other shapes).
     """
-    reader = dcp.FileSystemReader(shards)
-    metadata = reader.read_metadata().state_dict_metadata
+    metadata = safe_load.read_dcp_metadata(shards).state_dict_metadata
     saved = {k.removeprefix("model."): m for k, m in metadata.items() if k.startswith("model.")}
     local = module.state_dict()
     if strict:
         check_keys(local.keys(), saved.keys(), global_keys)
     # Read into tensors of the saved shapes: a pruned layer takes its shapes from the checkpoint when it loads.
     wanted = {k: _empty_like(saved[k]) for k in local if k in saved}
-    dcp.load({"model": wanted}, storage_reader=reader)
+    _load_shards({"model": wanted}, shards)
     module.load_state_dict(wanted, strict=False)
 
 
@@ -154,20 +157,11 @@ def load_stage_optimizer(
 
     The state's shapes come from the checkpoint's metadata, so it loads into an optimizer that has not stepped yet.
     """
-    reader = dcp.FileSystemReader(shards)
-    metadata = reader.read_metadata().state_dict_metadata
-    prefix = f"optim.{index}.state."
+    metadata = safe_load.read_dcp_metadata(shards).state_dict_metadata
     local = {names[id(p)] for group in optimizer.param_groups for p in group["params"]}
-    template: dict[str, dict[str, Any]] = {}
-    for key, meta in metadata.items():
-        if not key.startswith(prefix):
-            continue
-        name, _, field = key[len(prefix) :].rpartition(".")
-        if name not in local:
-            continue
-        template.setdefault(name, {})[field] = _empty_like(meta)
+    template = _optimizer_state(metadata, index, _empty_like, keep=local)
     loaded = {"optim": {str(index): {"state": template}}}
-    dcp.load(loaded, storage_reader=reader)
+    _load_shards(loaded, shards)
     named = {
         "format": NAMED_FORMAT,
         "state": loaded["optim"][str(index)]["state"],
@@ -176,21 +170,57 @@ def load_stage_optimizer(
     return local_optimizer_state(named, optimizer, names)
 
 
+def _optimizer_state(
+    entries: Mapping[str, Any], index: int, value: Callable[[Any], Any], keep: Collection[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """``{param name: {field: value(entry)}}`` of optimizer ``index`` from flat DCP ``entries`` (``keep``: names)."""
+    prefix = f"optim.{index}.state."
+    state: dict[str, dict[str, Any]] = {}
+    for key, entry in entries.items():
+        if key.startswith(prefix):
+            name, _, field = key[len(prefix) :].rpartition(".")
+            if keep is None or name in keep:
+                state.setdefault(name, {})[field] = value(entry)
+    return state
+
+
+def _load_shards(state: dict[str, Any], shards: str, *, no_dist: bool = False) -> None:
+    """``dcp.load`` of ``state`` (templates, filled in place) from ``shards``, running no code from the files."""
+    with warnings.catch_warnings():  # one process reading it all (no_dist) is the point, not a misconfiguration
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        try:
+            dcp.load(
+                state,
+                storage_reader=safe_load.SafeFileSystemReader(shards),
+                planner=safe_load.SafeLoadPlanner(shards),
+                no_dist=no_dist,
+            )
+        except CheckpointException as e:  # DCP wraps each rank's failure: a refusal is said as itself
+            refused = safe_load.refusal_in(e)
+            if refused is None:
+                raise
+            raise refused from None
+
+
 def load_whole(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A checkpoint (sharded directory or single file) as one single-file checkpoint dict, in one process.
 
     The unsplit model's ``state_dict`` and named optimizer states with all their tensors, with Lightning's other
-    entries: what the single-file format holds (for inspection, export, or a plain ``torch.save``).
+    entries: what the single-file format holds (for inspection, export, or a plain ``torch.save``). Nothing in the
+    files runs (:mod:`~dynmo_lightning.pipeline.safe_load`).
+
+    Raises:
+        CheckpointRefused: a file of the checkpoint asks for code to run.
     """
     if not is_sharded(path):
-        return torch.load(path, map_location="cpu", weights_only=False)
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
+        return safe_load.load_file(path)
     meta = load_meta(path)
-    with warnings.catch_warnings():  # one process reading it all is the point here, not a misconfiguration
-        warnings.filterwarnings("ignore", message="torch.distributed is unavailable or uninitialized")
-        tensors = _load_state_dict_from_keys({"model", "optim"}, checkpoint_id=meta.pop(SHARDS_KEY))
-    meta["state_dict"] = dict(tensors.get("model", {}))
+    shards = meta.pop(SHARDS_KEY)
+    metadata = safe_load.read_dcp_metadata(shards).state_dict_metadata
+    # Every saved entry by its flat DCP key, into tensors of the saved shapes (one process reads it all).
+    flat = {k: _empty_like(m) for k, m in metadata.items()}
+    _load_shards(flat, shards, no_dist=True)
+    meta["state_dict"] = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
     for i, named in enumerate(meta.get("optimizer_states") or []):
-        named["state"] = dict(tensors.get("optim", {}).get(str(i), {}).get("state", {}))
+        named["state"] = _optimizer_state(flat, i, lambda v: v)
     return meta

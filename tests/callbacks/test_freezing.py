@@ -95,7 +95,7 @@ def test_auto_freezing_state_survives_checkpoint(tmp_path):
     assert freezing.frozen >= 1  # it acted
     path = tmp_path / "frozen.ckpt"
     trainer.save_checkpoint(path)
-    state = torch.load(path, weights_only=False)["callbacks"]["LayerFreezing"]
+    state = torch.load(path, weights_only=True)["callbacks"]["LayerFreezing"]
     assert state["frozen"] == freezing.frozen and state["previous"]
 
     resumed_freezing = LayerFreezing(check_every_n_steps=5, start_step=5, percentile=90.0)
