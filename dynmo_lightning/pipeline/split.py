@@ -21,7 +21,7 @@ from dynmo_lightning import balance
 from dynmo_lightning.pipeline.layers import LayerSlots, RemoteLayer
 from dynmo_lightning.pipeline.runtime import StagePlan, check_schedule
 from dynmo_lightning.pipeline.ties import Tie, find_ties
-from dynmo_lightning.protocol import ProtocolError, check_protocol, init_layer
+from dynmo_lightning.protocol import ProtocolError, check_protocol, materialise_layer
 
 #: Initial partitions that ``DynMoStrategy(partition=...)`` accepts by name (or a list of layers per stage).
 PARTITIONS = ("uniform", "params")
@@ -145,6 +145,5 @@ def split_module(
             continue
         layer = slots.get(i)
         if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
-            layer.to_empty(device=device)
-            init_layer(module, i, layer, seed)
+            materialise_layer(module, i, layer, seed, device)
     return model
