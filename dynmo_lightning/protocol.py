@@ -230,6 +230,42 @@ def read_once(values: Sequence[Tensor | float]) -> list[float]:
     return [next(read) if isinstance(v, Tensor) else float(v) for v in values]
 
 
+class DeviceScalars:
+    """Numbers recorded every step (losses) kept on the device until asked for, then read together.
+
+    ``float(loss)`` in a step's hook waits for the device to finish the step; appending the tensor does not. The
+    values come to the host in one read when :attr:`values` is asked for, or every ``flush_every`` appends (so the
+    pending tensors stay few).
+
+    Args:
+        flush_every: most values kept on the device.
+    """
+
+    def __init__(self, flush_every: int = 256) -> None:
+        self._read: list[float] = []
+        self._pending: list[Tensor | float] = []
+        self.flush_every = flush_every
+
+    def append(self, value: Tensor | float) -> None:
+        """Record ``value`` (a scalar tensor, detached here, or a number)."""
+        self._pending.append(value.detach() if isinstance(value, Tensor) else float(value))
+        if len(self._pending) >= self.flush_every:
+            self._flush()
+
+    @property
+    def values(self) -> list[float]:
+        """Every value recorded, as Python floats (reads the pending ones in one go)."""
+        self._flush()
+        return self._read
+
+    def _flush(self) -> None:
+        if self._pending:
+            tensors = [v for v in self._pending if isinstance(v, Tensor)]
+            read = iter(torch.stack([t.double().reshape(()) for t in tensors]).tolist() if tensors else [])
+            self._read.extend(next(read) if isinstance(v, Tensor) else v for v in self._pending)
+            self._pending = []
+
+
 def local_layers(module: Any) -> list[tuple[int, nn.Module]]:
     """``(index, layer)`` of the pipeline layers held by this process (all of them without a pipeline strategy).
 

@@ -37,6 +37,7 @@ from dynmo_lightning.models.blocks import MLP, CausalSelfAttention
 from dynmo_lightning.models.moe import MoEMLP
 from dynmo_lightning.models.routing import DepthRouter, ExitGate
 from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention
+from dynmo_lightning.protocol import DeviceScalars
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,14 +253,19 @@ def record(dynamic: str, strength: float | None, config: TimelineConfig = Timeli
 
 
 class Losses(L.Callback):
-    """The training loss of every step."""
+    """The training loss of every step (kept on the device until :attr:`values` is read)."""
 
     def __init__(self) -> None:
-        self.values: list[float] = []
+        self._losses = DeviceScalars()
+
+    @property
+    def values(self) -> list[float]:
+        """The losses so far, as floats."""
+        return self._losses.values
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, b: Any, i: int):
         """Record the step's loss."""
-        self.values.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+        self._losses.append(outputs["loss"] if isinstance(outputs, dict) else outputs)
 
 
 def realistic_trace(timeline: dict[str, Any], table: CostTable) -> list[dict[str, Any]]:

@@ -112,17 +112,13 @@ class LayerFreezing(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.mode != "auto":
             return
-        layers, norms = [], []
         for _, layer in local_layers(pl_module):
             grads = [p.grad for p in layer.parameters() if p.grad is not None]
             if grads:
-                layers.append(layer)
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-                norms.append(norm.to(torch.float64))  # exact for every floating dtype, so stacking any mix is safe
-        # One host sync for all layers (not one per layer): the same values as reading each one, read together.
-        for layer, norm in zip(layers, torch.stack(norms).tolist() if norms else [], strict=True):
-            # Layer state: the running sum moves with the layer when the balancer migrates it.
-            setattr(layer, _WINDOW, getattr(layer, _WINDOW, 0.0) + norm)
+                # float64: exact for every floating dtype, so stacking any mix is safe. The running sum stays on the
+                # device (no read in the step); it is layer state, so it moves with the layer when it migrates.
+                norm = torch.linalg.vector_norm(torch.stack(list(torch._foreach_norm(grads))).to(torch.float64))
+                setattr(layer, _WINDOW, getattr(layer, _WINDOW, 0.0) + norm)
 
     @override
     def on_train_batch_end(
@@ -203,8 +199,14 @@ class LayerFreezing(Callback):
 
 
 def _gather_windows(pl_module: pl.LightningModule) -> dict[int, float]:
-    """Every layer's window sum, from all processes (layers that never had a gradient are absent)."""
-    local = {i: getattr(layer, _WINDOW) for i, layer in local_layers(pl_module) if hasattr(layer, _WINDOW)}
+    """Every layer's window sum, from all processes (layers that never had a gradient are absent).
+
+    The only read of the device: once per check (and checkpoint), every local layer's sum in one float64 read.
+    """
+    found = {i: getattr(layer, _WINDOW) for i, layer in local_layers(pl_module) if hasattr(layer, _WINDOW)}
+    tensors = [v for v in found.values() if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack(tensors).tolist() if tensors else [])
+    local = {i: next(read) if isinstance(v, torch.Tensor) else float(v) for i, v in found.items()}
     return {i: v for part in all_gather(local, pl_module.trainer) for i, v in part.items()}
 
 

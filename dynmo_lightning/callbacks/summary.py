@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from dynmo_lightning.protocol import pipeline_control
+from dynmo_lightning.protocol import DeviceScalars, pipeline_control
 
 
 class RunSummary(Callback):
@@ -34,7 +34,7 @@ class RunSummary(Callback):
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
-        self.losses: list[float] = []
+        self._losses = DeviceScalars()
         self.tokens = 0
         self._train_time = 0.0
         self._t0: float | None = None
@@ -51,8 +51,7 @@ class RunSummary(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
+        self._losses.append(outputs["loss"] if isinstance(outputs, dict) else outputs)  # no read in the step
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
         # Data-parallel replicas each consume their own batch; pipeline stages of one replica share one.
         replicas = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)
@@ -60,6 +59,11 @@ class RunSummary(Callback):
         now = _world(trainer)
         if self.world_sizes and {**self.world_sizes[-1], "step": now["step"]} != now:
             self.world_sizes.append(now)
+
+    @property
+    def losses(self) -> list[float]:
+        """The training loss of every optimizer step so far."""
+        return self._losses.values
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

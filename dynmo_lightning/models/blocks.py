@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from dynmo_lightning.models.routing import DepthRouter, ExitGate, active_bound, active_forward, routed_forward
+from dynmo_lightning.models.routing import (
+    DepthRouter,
+    ExitGate,
+    active_bound,
+    active_forward,
+    reads_per_layer,
+    routed_forward,
+)
 from dynmo_lightning.optim import index_select_
 
 
@@ -201,8 +208,8 @@ class Block(nn.Module):
         self.exit_gate = ExitGate() if early_exit else None
         self.depth_router = DepthRouter(n_embd, mod_capacity) if mod_capacity is not None else None
 
-    def _mlp(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        out = self.mlp(x)
+    def _mlp(self, x: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        out = self.mlp(x) if valid is None else self.mlp(x, valid)
         return out if isinstance(out, tuple) else (out, None)
 
     def _dense(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -220,7 +227,8 @@ class Block(nn.Module):
             y, extra = routed_forward(self, self.depth_router, h, self._dense)
         elif self.exit_gate is not None:
             bound, all_active = active_bound(active, self.exit_gate.sync)
-            y, extra = self._dense(h) if all_active else active_forward(self, h, active, self._mlp, bound)
+            exact = reads_per_layer(self.exit_gate.sync, active.device)
+            y, extra = self._dense(h) if all_active else active_forward(self, h, active, self._mlp, bound, exact)
         else:
             y, extra = self._dense(h)
         if self.exit_gate is not None:

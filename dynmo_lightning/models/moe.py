@@ -20,6 +20,16 @@ Routing rules:
 
 The returned auxiliary loss is the Switch-Transformer load-balancing loss plus the router z-loss (see
 :meth:`MoEMLP.forward`); add it to the training loss.
+
+Two ways to run the experts, the same routing:
+
+- **grouped** (where ``torch.nn.functional.grouped_mm`` runs: the CPU, and CUDA at compute capability 8.0+ in
+  bf16): all assignments sorted by expert, kept ones first, and two grouped GEMMs over device-side offsets. Rows past
+  the last kept one are not computed, so the cost still follows the routing, and nothing is read from the device:
+  the experts' loads never reach the host. A mask of the rows that are real tokens (early exit's padded rows) is
+  applied on the device too.
+- **per expert** (elsewhere: fp32 or fp16 on a GPU): one ``index_select`` / MLP / ``index_add`` per expert, whose
+  sizes are the one host read of the layer per call.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynmo_lightning.models.blocks import MLP
@@ -56,7 +67,8 @@ class MoEMLP(nn.Module):
 
     """
 
-    #: Its output for a token depends on the other tokens of the call (capacity): callers pass only real tokens.
+    #: Its output for a token depends on the other tokens of the call (capacity): callers pass only real tokens,
+    #: or a mask of them where :meth:`masks_on_device` says so.
     routes_tokens = True
 
     def __init__(
@@ -90,9 +102,36 @@ class MoEMLP(nn.Module):
         self.z_loss_coef = z_loss_coef
         self.router = nn.Linear(n_embd, n_experts, bias=False)
         self.experts = nn.ModuleList(MLP(n_embd, hidden, dropout, bias) for _ in range(n_experts))
+        #: ``None``: the grouped GEMM wherever it runs (:meth:`masks_on_device`); ``False``: always per expert.
+        self.grouped: bool | None = None
         # Plain attributes (not buffers): logging statistics that travel with the pickled module, not checkpointed.
-        self.tokens_per_expert: list[int] = [0] * n_experts
-        self.drop_fraction = 0.0
+        # Tensors on the device (read only when asked for), or host values.
+        self._kept: Tensor | list[int] = [0] * n_experts
+        self._assignments: Tensor | int = 0
+
+    @property
+    def tokens_per_expert(self) -> list[int]:
+        """Assignments each expert computed in the last forward (after capacity drops); reads the device."""
+        return self._kept.tolist() if isinstance(self._kept, Tensor) else list(self._kept)
+
+    @property
+    def drop_fraction(self) -> float:
+        """Share of the last forward's token assignments dropped for lack of capacity; reads the device."""
+        total = int(self._assignments)
+        return 1.0 - sum(self.tokens_per_expert) / total if total else 0.0
+
+    def masks_on_device(self, x: Tensor) -> bool:
+        """Whether the experts run as grouped GEMMs on ``x`` here (then no host read, and masks work)."""
+        if self.grouped is False or not hasattr(F, "grouped_mm"):
+            return False
+        if len({e.fc.weight.shape for e in self.experts}) > 1:
+            return False  # experts pruned to different widths: one GEMM per expert
+        if x.device.type == "cpu":
+            return x.dtype in (torch.float32, torch.bfloat16)
+        if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False
+        autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+        return autocast or x.dtype == torch.bfloat16
 
     def capacity(self, n_tokens: int) -> int | None:
         """Most assignments one expert takes from a call with ``n_tokens`` tokens (``None``: unlimited)."""
@@ -100,11 +139,13 @@ class MoEMLP(nn.Module):
             return None
         return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Route tokens to their experts.
 
         Args:
             x: tokens ``(N, C)`` (e.g. only the tokens a caller selected) or hidden states ``(B, T, C)``.
+            valid: which rows of ``x`` are real tokens (``x.shape[:-1]``, bool); the others are neither routed nor
+                counted (only where :meth:`masks_on_device`).
 
         Returns:
             ``(y, aux)``: ``y`` has the shape of ``x`` (zero where every assignment of a token was dropped) and ``aux``
@@ -112,22 +153,45 @@ class MoEMLP(nn.Module):
             ``f_e`` the fraction of token assignments routed to expert ``e`` (before capacity) and ``P_e`` the mean
             router probability of ``e``. ``aux`` is differentiable with respect to the router.
 
+        Raises:
+            ValueError: a mask where the experts do not run grouped.
         """
         flat = x.reshape(-1, x.shape[-1])
+        mask = None if valid is None else valid.reshape(-1)
         n, k, n_exp = flat.shape[0], self.top_k, self.n_experts
         logits = self.router(flat).float()
-        y = torch.zeros_like(flat)
         if n == 0:
-            self._record([0] * n_exp, 0.0)
+            self._record([0] * n_exp, 0)
             # Keep the router in the graph so that callers can always backpropagate through ``aux``.
-            return y.view(x.shape), logits.sum() * 0.0
+            return torch.zeros_like(x), logits.sum() * 0.0
         probs = logits.softmax(-1)
         top_p, top_e = probs.topk(k, dim=-1)
-        gates = top_p if k == 1 else top_p / top_p.sum(-1, keepdim=True)
+        gates = (top_p if k == 1 else top_p / top_p.sum(-1, keepdim=True)).reshape(-1)
+        if self.masks_on_device(flat):
+            y, routed, real = self._grouped_experts(flat, top_p.reshape(-1), top_e.reshape(-1), gates, mask)
+        elif mask is not None:
+            raise ValueError("MoEMLP takes a mask of real tokens only where its experts run grouped (masks_on_device)")
+        else:
+            (y, routed), real = self._expert_loop(flat, top_p.reshape(-1), top_e.reshape(-1), gates), n
+        z = torch.logsumexp(logits, -1).square()
+        if mask is None:
+            mean_p, z_loss = probs.mean(0), z.mean()
+        else:
+            mean_p, z_loss = (probs * mask[:, None]).sum(0) / real, (z * mask).sum() / real
+        balance = n_exp * (routed.float() / (real * k) * mean_p).sum()
+        aux = self.aux_loss_coef * balance + self.z_loss_coef * z_loss
+        return y.view(x.shape), aux
 
+    def _expert_loop(self, flat: Tensor, top_p: Tensor, top_e: Tensor, gates: Tensor) -> tuple[Tensor, Tensor]:
+        """Each expert on its assignments (``index_select``, MLP, ``index_add``); the loads are read on the host.
+
+        Returns ``(y, routed)``: the output and the assignments per expert before capacity.
+        """
+        k = self.top_k
         with torch.no_grad():
-            order, kept, routed = self._plan(top_p.reshape(-1), top_e.reshape(-1), self.capacity(n))
-        gates = gates.reshape(-1)
+            routed = _count(top_e, self.n_experts)
+            order, kept = self._plan(top_p, top_e, routed, self.capacity(flat.shape[0]))
+        y = torch.zeros_like(flat)
         start = 0
         for expert, count in zip(self.experts, kept, strict=True):
             if count:
@@ -136,37 +200,81 @@ class MoEMLP(nn.Module):
                 out = expert(flat.index_select(0, tokens))
                 y.index_add_(0, tokens, (out * gates[assignments, None]).to(y.dtype))
             start += count
+        self._record(kept, flat.shape[0] * k)
+        return y, routed
 
-        fraction = routed.float() / (n * k)
-        balance = n_exp * (fraction * probs.mean(0)).sum()
-        z_loss = torch.logsumexp(logits, -1).square().mean()
-        aux = self.aux_loss_coef * balance + self.z_loss_coef * z_loss
-        self._record(kept, 1.0 - sum(kept) / (n * k))
-        return y.view(x.shape), aux
+    def _grouped_experts(
+        self, flat: Tensor, top_p: Tensor, top_e: Tensor, gates: Tensor, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | int]:
+        """All experts as two grouped GEMMs over device offsets: no host read. Returns ``(y, routed, real tokens)``."""
+        k = self.top_k
+        with torch.no_grad():
+            real: Tensor | int = flat.shape[0]
+            if mask is not None:
+                # Padding rows: after every real assignment in priority, routed to no expert's count.
+                row = mask.repeat_interleave(k) if k > 1 else mask
+                top_p = torch.where(row, top_p, -1.0)
+                real = mask.sum().clamp(min=1)
+            routed = _count(top_e, self.n_experts, None if mask is None else row)
+            order, keep, kept = self._plan_on_device(top_p, top_e, routed, real, None if mask is None else row)
+            offsets = kept.cumsum(0).to(torch.int32)
+        tokens = order // k
+        bias_of = top_e[order]
+        h = _grouped_linear(flat.index_select(0, tokens), [e.fc for e in self.experts], bias_of, offsets, keep)
+        h = F.gelu(h)
+        out = _grouped_linear(h, [e.proj for e in self.experts], bias_of, offsets, keep)
+        out = self.experts[0].drop(out)  # every expert's dropout is the same module type and rate
+        y = torch.zeros_like(flat).index_add_(0, tokens, (out * gates[order, None]).to(flat.dtype))
+        self._record(kept, (real if isinstance(real, int) else real.detach()) * k)
+        return y, routed, real
 
-    def _plan(self, top_p: Tensor, top_e: Tensor, capacity: int | None) -> tuple[Tensor, list[int], Tensor]:
-        """Which token assignments each expert computes.
+    def _plan_on_device(
+        self, top_p: Tensor, top_e: Tensor, routed: Tensor, real: Tensor | int, row: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Every assignment, the kept ones first grouped by expert; whether each is kept; how many per expert.
+
+        The same choice as :meth:`_plan` (priority by probability, ties to the earlier assignment), with the
+        capacity and the loads as device tensors.
+        """
+        by_prob = top_p.argsort(descending=True, stable=True)
+        by_priority = by_prob[top_e[by_prob].argsort(stable=True)]
+        every = routed if row is None else _count(top_e, self.n_experts)  # padding rows sit in the groups too
+        starts = every.cumsum(0) - every
+        rank = torch.empty_like(by_priority)
+        rank[by_priority] = torch.arange(len(by_priority), device=top_e.device) - starts[top_e[by_priority]]
+        order = top_e.argsort(stable=True)
+        dropped = torch.zeros_like(order, dtype=torch.bool) if row is None else ~row[order]
+        if self.capacity_factor is not None:
+            if isinstance(real, int):
+                capacity: Tensor | int | None = self.capacity(real)
+            else:  # as capacity() does, on the device: the number of real tokens stays there
+                capacity = torch.ceil(self.capacity_factor * real * self.top_k / self.n_experts)
+            dropped = dropped | (rank[order] >= capacity)
+        kept_first = dropped.to(torch.int8).argsort(stable=True)
+        order, keep = order[kept_first], ~dropped[kept_first]
+        return order, keep, _count(top_e[order], self.n_experts, keep)
+
+    def _plan(self, top_p: Tensor, top_e: Tensor, routed: Tensor, capacity: int | None) -> tuple[Tensor, list[int]]:
+        """Which token assignments each expert computes (the per-expert way: its loads read on the host).
 
         Args:
             top_p: router probability of every assignment, token-major ``(N * top_k,)``.
             top_e: expert of every assignment, same layout.
+            routed: assignments per expert before capacity.
             capacity: most assignments per expert, ``None`` for no limit.
 
         Returns:
-            The kept assignment indices grouped by expert (token order within an expert), the number kept per expert,
-            and the number routed per expert before capacity.
+            The kept assignment indices grouped by expert (token order within an expert) and the number kept per
+            expert.
 
         """
-        # Not bincount: on CUDA it reads the largest index back to size its output.
-        routed = torch.zeros(self.n_experts, dtype=torch.long, device=top_e.device)
-        routed.scatter_add_(0, top_e, torch.ones_like(top_e))
         # Grouped by expert with token order inside each group: gathers read the tokens in memory order.
         order = top_e.argsort(stable=True)
         # The layer's one host read: each expert's load sizes its matmuls, which is what makes the cost follow the
         # routing (a grouped GEMM over device-side offsets would avoid it).
         loads = routed.tolist()
         if capacity is None or capacity >= max(loads):
-            return order, loads, routed
+            return order, loads
         # Priority within an expert: higher probability first, ties to the earlier assignment (stable sorts).
         by_prob = top_p.argsort(descending=True, stable=True)
         by_priority = by_prob[top_e[by_prob].argsort(stable=True)]
@@ -178,14 +286,38 @@ class MoEMLP(nn.Module):
         kept = [min(n, capacity) for n in loads]
         dropped = rank[order] >= capacity
         order = order[dropped.to(torch.int8).argsort(stable=True)[: sum(kept)]]
-        return order, kept, routed
+        return order, kept
 
-    def _record(self, kept: list[int], drop_fraction: float) -> None:
+    def _record(self, kept: Tensor | list[int], assignments: Tensor | int) -> None:
         # Shape-probing passes are not real steps: they must not overwrite what a logger reads.
         if not is_probing():
-            self.tokens_per_expert = kept
-            self.drop_fraction = drop_fraction
+            self._kept, self._assignments = kept, assignments
 
     def extra_repr(self) -> str:
         """Settings shown in the module's repr."""
         return f"n_experts={self.n_experts}, top_k={self.top_k}, capacity_factor={self.capacity_factor}"
+
+
+def _count(experts: Tensor, n_experts: int, where: Tensor | None = None) -> Tensor:
+    """Assignments per expert (of those ``where`` is true), on the device."""
+    # Not bincount: on CUDA it reads the largest index back to size its output.
+    counts = torch.zeros(n_experts, dtype=torch.long, device=experts.device)
+    ones = torch.ones_like(experts) if where is None else where.to(experts.dtype)
+    return counts.scatter_add_(0, experts, ones)
+
+
+def _grouped_linear(x: Tensor, linears: list[nn.Linear], expert: Tensor, offsets: Tensor, keep: Tensor) -> Tensor:
+    """``linears[expert[i]](x[i])`` for the kept rows (grouped by expert, ``offsets`` their ends); zero elsewhere.
+
+    Rows past the last offset are not computed: their outputs (and, in backward, their gradients) are whatever
+    memory held, so both ends are masked.
+    """
+    weight = torch.stack([lin.weight for lin in linears]).transpose(1, 2)  # (E, in, out): x @ W.T per expert
+    x = torch.where(keep[:, None], x, 0.0)
+    # Under autocast a linear layer computes in the autocast dtype; the grouped GEMM is cast the same way.
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    out = F.grouped_mm(x.to(dtype), weight.to(dtype), offs=offsets)
+    if linears[0].bias is not None:
+        out = out + torch.stack([lin.bias for lin in linears]).index_select(0, expert).to(out.dtype)
+    return torch.where(keep[:, None], out, 0.0)

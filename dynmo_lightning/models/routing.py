@@ -79,18 +79,29 @@ EXIT_SYNC = ("auto", "stage", "layer")
 EXIT_BUCKETS = 16
 
 
-def active_bound(active: Tensor, sync: str = "auto") -> tuple[int, bool]:
-    """The most active tokens of any sequence (an upper bound) and whether every token is active.
+def reads_per_layer(sync: str, device: torch.device) -> bool:
+    """Whether blocks read their exact active-token counts (``"layer"``) rather than once per stage (``"stage"``).
 
-    One host read (one synchronisation on an accelerator) of both numbers. With ``sync="stage"`` (the default on
-    accelerators under ``"auto"``) the read happens once per stage forward (:func:`~dynmo_lightning.protocol.
-    stage_forward`) and later blocks of the stage reuse the bound, which stays valid because tokens only exit; it is
-    rounded up to a bucket (:data:`EXIT_BUCKETS`). With ``sync="layer"`` (``"auto"`` on CPU, where a read does not
-    stall a device stream) every block reads its exact count, so it computes only the tokens still active.
+    ``"auto"`` reads per layer on the CPU, where a read does not stall a device stream, and per stage elsewhere.
+
+    Raises:
+        ValueError: an unknown ``sync``.
     """
     if sync not in EXIT_SYNC:
         raise ValueError(f"dynamics.sync={sync!r} must be 'auto', 'stage' or 'layer'")
-    per_stage = sync == "stage" or (sync == "auto" and active.device.type != "cpu")
+    return sync == "layer" or (sync == "auto" and device.type == "cpu")
+
+
+def active_bound(active: Tensor, sync: str = "auto") -> tuple[int, bool]:
+    """The most active tokens of any sequence (an upper bound) and whether every token is active.
+
+    One host read (one synchronisation on an accelerator) of both numbers. Read per stage (:func:`reads_per_layer`
+    false, the default on accelerators), it happens once per stage forward (:func:`~dynmo_lightning.protocol.
+    stage_forward`) and later blocks of the stage reuse the bound, which stays valid because tokens only exit; it is
+    rounded up to a bucket (:data:`EXIT_BUCKETS`). Read per layer, every block reads its exact count, so it computes
+    only the tokens still active.
+    """
+    per_stage = not reads_per_layer(sync, active.device)
     memo = stage_memo()
     if per_stage and memo is not None and "active_bound" in memo:
         return memo["active_bound"]
@@ -157,13 +168,18 @@ def active_forward(
     block: nn.Module,
     h: Tensor,
     active: Tensor,
-    mlp: Callable[[Tensor], tuple[Tensor, Tensor | None]],
+    mlp: Callable[..., tuple[Tensor, Tensor | None]],
     bound: int,
+    exact: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Run ``block`` on its active tokens only (``active`` ``(B, T)`` float 1/0); exited tokens pass unchanged.
 
     ``bound`` is at least the largest number of active tokens in any sequence (:func:`active_bound`): sequences are
-    padded to it, so the cost falls with it. Returns the new hidden states and the MLP's auxiliary loss (MoE), if any.
+    padded to it, so the cost falls with it. ``exact`` (counts read per layer, :func:`reads_per_layer`): the MLP runs
+    on exactly the active tokens, a boolean gather whose size is a host read. Otherwise it runs on the padded rows
+    (no read): a row-wise MLP computes the padding too, and an MLP that routes tokens (MoE) is told which rows are
+    real (``mlp(x, valid)``) where it can take a mask without reading the device (``mlp.masks_on_device``), else it
+    gets the gathered tokens. Returns the new hidden states and the MLP's auxiliary loss (MoE), if any.
     """
     C = h.shape[-1]
     mask = active > 0
@@ -178,14 +194,15 @@ def active_forward(
     # A block with its own attention layout (Hugging Face layers: rotary, grouped KV) says how to attend.
     attend = getattr(block, "attend_queries", None) or (lambda x, p: attend_queries(block.attn, x, p))
     x = h.gather(1, index) + attend(block.ln1(h), pos)
-    if h.device.type == "cpu" or getattr(block.mlp, "routes_tokens", False):
-        # Exactly the active tokens: a boolean gather, whose size is a host read on an accelerator (free on CPU;
-        # needed by an MoE MLP, whose routing must see only real tokens).
+    routes = getattr(block.mlp, "routes_tokens", False)
+    if routes and not exact and block.mlp.masks_on_device(x):
+        delta, aux = mlp(block.ln2(x), valid)
+        x = x + delta
+    elif exact or routes:
         flat = x[valid]
         delta, aux = mlp(block.ln2(flat))
         x = x.masked_scatter(valid[..., None], flat + delta)
     else:
-        # A row-wise MLP on the padded rows too: no read, at the cost of the padding up to the bound.
         delta, aux = mlp(block.ln2(x))
         x = x + delta
     x = torch.where(valid[..., None], x, h.gather(1, index))

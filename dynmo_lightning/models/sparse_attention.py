@@ -266,9 +266,13 @@ def _coverage(q: Tensor, k: Tensor, rank: Tensor, kept: list[int], blk: int) -> 
     # The last row of block i sees exactly the key blocks 0..i.
     visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril().repeat_interleave(blk, 1)
     mass = logits.masked_fill(~visible, -math.inf).softmax(-1).view(B * H, n, n, blk).sum(-1)
-    n_kept = torch.tensor(kept, device=q.device)
-    position = torch.empty_like(rank)
-    position.scatter_(-1, rank, torch.arange(n, device=q.device).expand_as(rank).contiguous())
-    earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
-    in_kept = torch.eye(n, dtype=torch.bool, device=q.device) | (earlier & (position < (n_kept - 1)[:, None]))
+    # Kept: the diagonal block and the first k_i - 1 of row i's ranking (all earlier blocks, as k_i <= i + 1), marked
+    # run by run with host slices: nothing made from the host list on the device.
+    in_kept = torch.eye(n, dtype=torch.bool, device=q.device).expand(B * H, n, n).clone()
+    start = 0
+    for n_kept, count in _runs(kept):
+        if n_kept > 1:
+            block_rows = slice(start, start + count)
+            in_kept[:, block_rows].scatter_(-1, rank[:, block_rows, : n_kept - 1], True)
+        start += count
     return (mass * in_kept).sum(-1).mean()

@@ -44,7 +44,10 @@ def sync_replica_buffers(slots: LayerSlots, group: dist.ProcessGroup, n: int) ->
     """Average the floating-point buffers that differ between replicas (exactly kept where they are equal).
 
     Dynamic layers adapt buffers to the data they see (e.g. a sparse attention's density): without this, the
-    replicas would drift apart; with it they follow the mean, as one replica seeing the global batch would.
+    replicas would drift apart; with it they follow the mean, as one replica seeing the global batch would. One
+    all-gather of every replica's buffers (float64: exact for every floating dtype); min, max and sum over the
+    replicas are taken on the device, in replica order, so every replica computes the same values, and nothing is
+    read on the host.
     """
     buffers = [
         t
@@ -54,17 +57,16 @@ def sync_replica_buffers(slots: LayerSlots, group: dist.ProcessGroup, n: int) ->
     ]
     if not buffers:
         return
-    flat = torch._utils._flatten_dense_tensors([b.detach() for b in buffers]).float()
-    low, high, total = flat.clone(), flat.clone(), flat.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    if torch.equal(low, high):
-        return
-    merged = torch.where(low == high, flat, total / n)
+    flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
+    every = flat.new_empty(n * flat.numel())  # gloo takes the flat layout only
+    dist.all_gather_into_tensor(every, flat, group=group)
+    every = every.view(n, -1)
+    merged = torch.where(every.amin(0) == every.amax(0), flat, every.sum(0) / n)
     with torch.no_grad():
-        for b, value in zip(buffers, torch._utils._unflatten_dense_tensors(merged, buffers), strict=True):
-            b.copy_(value.to(b.dtype))
+        start = 0
+        for b in buffers:
+            b.copy_(merged[start : start + b.numel()].view_as(b))
+            start += b.numel()
 
 
 def replicas_in_sync(state: dict[str, Tensor], dp_group: dist.ProcessGroup | None, dp_size: int, device: Any) -> bool:
@@ -108,49 +110,104 @@ class GlobalNormClipping:
 
     ``torch.nn.utils.clip_grad_norm_`` takes the norm of the per-parameter norms in optimizer order. Each stage
     computes its per-parameter norms the same way and writes them into one tensor at their slots in the unsplit model's
-    order (group, then parameter position), with a presence flag; one all-reduce (a sum) of that tensor gives every
-    stage all the norms, which it stacks in that order, so the clip coefficient is bit-identical to one process. A
-    tied parameter's copies hold the same gradient and norm: the sum of ``k`` copies divided by ``k`` is exactly it.
+    order (group, then parameter position); one all-reduce (a sum) of that tensor gives every stage all the norms,
+    which it picks out in that order, so the clip coefficient is bit-identical to one process. A tied parameter's
+    copies hold the same gradient and norm: the sum of ``k`` copies divided by ``k`` is exactly it.
+
+    Which slots are filled (and by how many copies) is host data: every stage knows its own, and their sum goes over
+    a CPU process group (:attr:`host`), so picking the norms out needs no read of the device. The index tensors on
+    the device are made once per layout (the filled slots), not every step: in steady state a clipping step neither
+    copies from the host nor synchronises the device.
 
     Attributes:
         param_order: names of all parameters of the unsplit model, in its order.
         names: returns ``id(param) -> name`` in the unsplit model (a tie's copies share the canonical name).
         pipe: returns this process's pipeline (it changes when the world shrinks).
         device: returns the device collectives of this process run on.
+        host: returns a process group of the same pipeline whose collectives take CPU tensors (gloo), or ``None``
+            for the pipeline's own group (a CPU job).
     """
 
     param_order: list[str]
     names: Callable[[], dict[int, str]]
     pipe: Callable[[], PipelineGroup]
     device: Callable[[], torch.device] = lambda: torch.device("cpu")
+    host: Callable[[], dist.ProcessGroup | None] = lambda: None
+    _local: dict[tuple[tuple[int, ...], torch.device], Tensor] = dataclasses.field(default_factory=dict, repr=False)
+    _global: dict[bytes, tuple[Tensor, Tensor | None]] = dataclasses.field(default_factory=dict, repr=False)
 
     def __call__(self, optimizer: Optimizer, clip_val: float) -> None:
         """Scale the local gradients of ``optimizer`` so the global norm is at most ``clip_val``."""
         position = {name: i for i, name in enumerate(self.param_order)}
         names, n = self.names(), len(self.param_order)
-        params, slots = [], []
+        # A slot per trainable parameter (a layout changes only when layers freeze, move or are pruned); one whose
+        # gradient is None this step (an MoE expert that got no token, on the per-expert path) adds a zero norm:
+        # the same sum as torch's, which leaves it out.
+        trainable, slots = [], []
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
-                if p.grad is not None:
-                    params.append(p)
+                if p.requires_grad:
+                    trainable.append(p)
                     slots.append(g * n + position[names[id(p)]])
-        grads = [p.grad for p in params]
-        if grads and grads[0].device.type == "cpu":
-            norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]  # torch's own CPU path
-        else:
-            norms = list(torch._foreach_norm(grads, 2.0)) if grads else []
-        # Row 0: the norms at their slots (float64 holds any float32 norm, and k times it, exactly); row 1: copies.
-        table = torch.zeros(2, len(optimizer.param_groups) * n, dtype=torch.float64, device=self.device())
-        if slots:
-            index = torch.tensor(slots, device=table.device)
-            table[0, index] = torch.stack(norms).to(table.device, torch.float64)
-            table[1, index] = 1.0
-        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.pipe().group)
+        params = [p for p in trainable if p.grad is not None]
+        size, pipe, device = len(optimizer.param_groups) * n, self.pipe(), self.device()
+        # float64 holds any float32 norm, and k times it, exactly.
+        table = torch.zeros(size, dtype=torch.float64, device=device)
+        if params:
+            table.index_copy_(0, self._device_index(tuple(slots), device), self._norms(trainable, device))
+        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=pipe.group)  # on an accelerator, runs while the host ...
+        copies = self._copies(slots, size, pipe)  # ... sums which slots are filled
         if not params:
             return
-        present = table[1] > 0
-        ordered = (table[0, present] / table[1, present]).to(grads[0].dtype).to(grads[0].device)
+        present, k = self._present(copies, device)
+        ordered = table.index_select(0, present)
+        if k is not None:
+            ordered = ordered / k
+        ordered = ordered.to(params[0].grad.dtype)
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, torch.linalg.vector_norm(ordered, 2.0))
+
+    @staticmethod
+    def _norms(trainable: list[Tensor], device: torch.device) -> Tensor:
+        """Every trainable parameter's gradient norm (0 without a gradient), as float64, computed as torch does."""
+        grads = [p.grad for p in trainable if p.grad is not None]
+        if grads[0].device.type == "cpu":
+            norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]  # torch's own CPU path
+        else:
+            norms = list(torch._foreach_norm(grads, 2.0))
+        if len(grads) < len(trainable):
+            found = iter(norms)
+            zero = torch.zeros((), dtype=norms[0].dtype, device=norms[0].device)
+            norms = [next(found) if p.grad is not None else zero for p in trainable]
+        return torch.stack(norms).to(torch.float64)
+
+    def _device_index(self, slots: tuple[int, ...], device: torch.device) -> Tensor:
+        """This stage's slots as an index on ``device``, made once per set of slots."""
+        key = (slots, device)
+        if key not in self._local:
+            if any(s != slots for s, _ in self._local):
+                self._local.clear()  # one layout at a time
+            self._local[key] = torch.tensor(slots, dtype=torch.long, device=device)
+        return self._local[key]
+
+    def _copies(self, slots: list[int], size: int, pipe: PipelineGroup) -> Any:
+        """How many stages fill each slot (a NumPy array): the stages' slots summed over the host group."""
+        filled = torch.zeros(size, dtype=torch.int32)
+        if slots:
+            filled.index_fill_(0, self._device_index(tuple(slots), torch.device("cpu")), 1)
+        host = self.host()
+        dist.all_reduce(filled, op=dist.ReduceOp.SUM, group=host if host is not None else pipe.group)
+        return filled.numpy()
+
+    def _present(self, copies: Any, device: torch.device) -> tuple[Tensor, Tensor | None]:
+        """The filled slots in order, and their copy counts where any slot has several (``None``: one each)."""
+        key = copies.tobytes()
+        if key not in self._global:
+            self._global.clear()
+            present = copies.nonzero()[0]
+            k = copies[present]
+            counts = torch.tensor(k.tolist(), dtype=torch.float64, device=device) if (k > 1).any() else None
+            self._global[key] = (torch.tensor(present.tolist(), dtype=torch.long, device=device), counts)
+        return self._global[key]
 
 
 def gather_costs(

@@ -8,6 +8,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from dynmo_lightning.models.gpt import MLP
@@ -98,17 +99,34 @@ def test_capacity_drops_lowest_probability_assignments():
         torch.testing.assert_close(y[keep], top_p[keep, None] * moe.experts[e](x[keep]), rtol=1e-5, atol=1e-6)
 
 
+class _GroupedFlops(TorchDispatchMode):
+    """Multiply-add flops of grouped GEMMs: only the rows up to the last offset are computed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default:
+            a, b, offs = args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None)
+            self.flops += 2 * int(offs[-1]) * a.shape[-1] * b.shape[-1]
+        return func(*args, **kwargs)
+
+
 def _linear_flops(moe: MoEMLP, x: torch.Tensor) -> int:
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, _GroupedFlops() as grouped:
         moe(x)
-    return counter.get_total_flops()
+    return counter.get_total_flops() + grouped.flops
 
 
-def test_expert_flops_follow_routing():
+@pytest.mark.parametrize("grouped", [None, False])
+def test_expert_flops_follow_routing(grouped):
     n = 64
     x = torch.randn(n, C)
     dense = _moe(4, capacity_factor=None)
     capped = _moe(4, capacity_factor=0.5)
+    dense.grouped = capped.grouped = grouped
     router_flops = 2 * n * C * 4
     per_token = 2 * (2 * C * HIDDEN)  # fc and proj, one multiply-add each
     dense_flops, capped_flops = _linear_flops(dense, x), _linear_flops(capped, x)
@@ -202,3 +220,61 @@ def test_training_step_with_aux_loss():
 def test_invalid_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MoEMLP(C, HIDDEN, **kwargs)
+
+
+@pytest.mark.parametrize(("top_k", "capacity"), [(1, None), (1, 0.5), (2, 0.75)])
+def test_grouped_experts_equal_the_per_expert_loop(top_k, capacity):
+    grouped, loop = _moe(4, top_k=top_k, capacity_factor=capacity), _moe(4, top_k=top_k, capacity_factor=capacity)
+    loop.grouped = False
+    assert grouped.masks_on_device(torch.randn(1, C)) and not loop.masks_on_device(torch.randn(1, C))
+    x = torch.randn(2, 24, C)
+    (y1, a1), (y2, a2) = grouped(x), loop(x)
+    torch.testing.assert_close(y1, y2, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(a1, a2, rtol=1e-6, atol=1e-7)
+    assert grouped.tokens_per_expert == loop.tokens_per_expert
+    assert grouped.drop_fraction == pytest.approx(loop.drop_fraction)
+    (y1.square().sum() + a1).backward()
+    (y2.square().sum() + a2).backward()
+    for p, q in zip(grouped.parameters(), loop.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None) or (q.grad is None and not p.grad.any())
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(("top_k", "capacity"), [(1, 0.5), (2, 1.0)])
+def test_a_mask_of_real_tokens_equals_routing_those_tokens_alone(top_k, capacity):
+    moe = _moe(4, top_k=top_k, capacity_factor=capacity)
+    x = torch.randn(3, 10, C)
+    valid = torch.rand(3, 10) < 0.6
+    y, aux = moe(x, valid)
+    stats = (moe.tokens_per_expert, moe.drop_fraction)
+    y_alone, aux_alone = moe(x[valid])
+    torch.testing.assert_close(y[valid], y_alone, rtol=1e-6, atol=1e-7)
+    assert torch.all(y[~valid] == 0)
+    torch.testing.assert_close(aux, aux_alone, rtol=1e-6, atol=1e-7)
+    assert stats == (moe.tokens_per_expert, pytest.approx(moe.drop_fraction))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_experts_read_nothing_from_the_device(monkeypatch, masked):
+    from dynmo_lightning.callbacks.syncs import SYNC_METHODS, counting_dispatch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host read inside the grouped MoE layer")
+
+    moe = _moe(4, top_k=2, capacity_factor=0.75)
+    x, valid = torch.randn(2, 12, C), torch.rand(2, 12) < 0.7
+    with monkeypatch.context() as patch:
+        for name in SYNC_METHODS:
+            patch.setattr(torch.Tensor, name, refuse)
+        with counting_dispatch() as seen:
+            y, aux = moe(x, valid if masked else None)
+            (y.square().sum() + aux).backward()
+    assert not seen, seen
+
+
+def test_a_mask_needs_grouped_experts():
+    moe = _moe(2)
+    moe.grouped = False
+    with pytest.raises(ValueError, match="mask of real tokens only where its experts run grouped"):
+        moe(torch.randn(4, C), torch.ones(4, dtype=torch.bool))

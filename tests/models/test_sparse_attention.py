@@ -261,3 +261,22 @@ def test_sequence_not_multiple_of_block():
 def test_invalid_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SparseCausalSelfAttention(C, H, 0.0, True, **kwargs)
+
+
+def test_coverage_is_the_attention_mass_of_the_kept_blocks():
+    from dynmo_lightning.models.sparse_attention import _coverage, _rank_earlier_blocks
+
+    torch.manual_seed(0)
+    B, H, blk, n, D = 2, 2, 4, 5, 8
+    q, k = torch.randn(B, H, n * blk, D), torch.randn(B, H, n * blk, D)
+    rank = _rank_earlier_blocks(q.view(B * H, n, blk, D).mean(2), k.view(B * H, n, blk, D).mean(2))
+    kept = [1, 2, 2, 3, 3]
+    expected = []
+    for bh in range(B * H):
+        qs, ks = q.reshape(B * H, -1, D)[bh], k.reshape(B * H, -1, D)[bh]
+        for i in range(n):
+            row = i * blk + blk - 1
+            p = (qs[row] @ ks[: row + 1].T / D**0.5).softmax(-1)
+            blocks = {i, *rank[bh, i, : kept[i] - 1].tolist()}
+            expected.append(sum(float(p[j * blk : (j + 1) * blk].sum()) for j in blocks))
+    assert float(_coverage(q, k, rank, kept, blk)) == pytest.approx(sum(expected) / len(expected), rel=1e-5)
