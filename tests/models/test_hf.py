@@ -321,6 +321,78 @@ def test_export_leaves_out_dynamic_parts_and_refuses_pruned_widths(tmp_path):
         save_hf(module.state_dict(), module.hparams["hf_config"], tmp_path / "pruned")
 
 
+def _loop_scores(units) -> torch.Tensor:
+    """What ``unit_scores`` computed before it was vectorised: one unit at a time, a sum per part and unit."""
+    n = units.n_units()
+    energies = [
+        p.detach().float().square().sum([d for d in range(p.dim()) if d != dim]) if p.dim() > 1 else
+        p.detach().float().square()
+        for p, dim, _ in units._parts(torch.arange(n))
+    ]  # fmt: skip
+    scores = [
+        sum(e[i.reshape(-1)].sum() for e, (_, _, i) in zip(energies, units._parts(torch.tensor([j])), strict=True))
+        for j in range(n)
+    ]
+    return torch.stack(scores).sqrt()
+
+
+def _old_spans(units: torch.Tensor, width: int, offset: int = 0) -> torch.Tensor:
+    """The indices ``_spans`` gave before (a CPU ``arange`` added to the units' indices)."""
+    return (offset + units[:, None] * width + torch.arange(width)).reshape(-1)
+
+
+def _old_indices(units, keep: torch.Tensor) -> list[torch.Tensor]:
+    """The indices along each part's dimension that the units' ``_parts`` gave before, part by part."""
+    t = units.target
+    if hasattr(t, "gate_proj"):
+        return [keep] * (3 + sum(lin.bias is not None for lin in (t.gate_proj, t.up_proj)))
+    if hasattr(t, "c_fc"):
+        return [keep] * 3
+    D = t.head_dim
+    if hasattr(t, "q_proj"):
+        per_group = t.q_proj.weight.shape[0] // t.k_proj.weight.shape[0]
+        kv, q = _old_spans(keep, D), _old_spans(keep, per_group * D)
+        biases = [r for lin, r in ((t.q_proj, q), (t.k_proj, kv), (t.v_proj, kv)) if lin.bias is not None]
+        return [q, kv, kv, q, *biases]
+    S = t.c_proj.weight.shape[0]
+    cols = torch.cat([_old_spans(keep, D, c * S) for c in range(3)])
+    return [cols, cols, _old_spans(keep, D)]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])
+def test_vectorised_unit_scores_and_indices_equal_the_per_unit_loop(model_type):
+    family = "gpt2" if model_type == "gpt2" else "llama"
+    module = built(from_hf({**CONFIGS[family], "model_type": model_type, "num_key_value_heads": 4}, seed=3))
+    for layer in module.layers:
+        for units in (layer.mlp_units, layer.attn_units):
+            for _ in range(2):  # the full layer, then after pruning by the scores
+                scores = units.unit_scores()
+                assert torch.equal(scores, _loop_scores(units))
+                keep = scores.topk(max(1, units.n_units() * 3 // 4)).indices.sort().values
+                old = _old_indices(units, keep)
+                new = [index.reshape(-1) for _, _, index in units._parts(keep)]
+                assert len(new) == len(old) and all(torch.equal(a, b) for a, b in zip(new, old, strict=True))
+                units.keep_units(keep)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])
+def test_pruning_scores_and_slices_on_the_weights_device(model_type):
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+
+    family = "gpt2" if model_type == "gpt2" else "llama"
+    layer = from_hf({**CONFIGS[family], "model_type": model_type}).layers[0]  # meta device: nothing to copy
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        layer.to_empty(device="cuda")  # fake CUDA tensors: mixing them with CPU tensors raises, as CUDA would
+        with pytest.raises(FakeTensorDeviceMismatchError):  # what `_spans` did when pruning a CUDA model's heads
+            torch.arange(2, device="cuda").unsqueeze(1) * 8 + torch.arange(8)  # ([:, None] needs a CUDA build here)
+        for units in (layer.mlp_units, layer.attn_units):
+            scores = units.unit_scores()
+            assert scores.device.type == "cuda" and scores.shape == (units.initial_units,)
+            units.keep_units(scores.topk(units.n_units() // 2).indices.sort().values)
+            units.keep_units(torch.tensor([0]))  # a selection made on the host moves to the weights
+            assert units.n_units() == 1 and all(p.device.type == "cuda" for p in units.parameters())
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Early exit and Mixture of Depths around decoder layers
 # ---------------------------------------------------------------------------------------------------------------------
