@@ -239,6 +239,17 @@ def test_dynamic_parts_are_the_same_built_before_or_after_the_weights():
     assert all(float(layer.exit_gate.threshold) == 2.0 for layer in built(gated).layers)  # no exits until scheduled
 
 
+def test_padding_is_refused_on_the_host_and_a_device_mask_is_never_read():
+    module = pipeline_model("llama")
+    padded = {"input_ids": _ids(), "attention_mask": torch.ones(2, 16).index_fill(1, torch.tensor([15]), 0)}
+    with pytest.raises(ValueError, match="padding"):
+        module.on_before_batch_transfer(padded, 0)  # Lightning's loops, before the batch moves to the device
+    assert module.on_before_batch_transfer({"input_ids": _ids()}, 0)["input_ids"].shape == (2, 16)
+    on_device = {"input_ids": _ids(), "attention_mask": torch.zeros(2, 16, device="meta")}  # any read would raise
+    inputs, labels = module.pipeline_split_batch(on_device)
+    assert torch.equal(inputs, _ids()) and torch.equal(labels, shift_labels(_ids()))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Structured pruning
 # ---------------------------------------------------------------------------------------------------------------------

@@ -175,20 +175,23 @@ class HFCausalLM(PipelineModule):
         """``(input_ids, next_token_ids)``; a dict's ``labels`` (default: its ``input_ids``) are shifted as HF does.
 
         Raises:
-            ValueError: a dict batch with padding (``attention_mask`` with zeros): pack sequences instead.
+            ValueError: a dict batch whose ``attention_mask`` on the host has zeros (padding): pack sequences instead.
+                A mask on a device is not read here (that would stall the device every batch): Lightning's loops
+                check it on the host, in :meth:`on_before_batch_transfer`, before moving the batch.
         """
         if isinstance(batch, Mapping):
             ids = batch["input_ids"]
-            mask = batch.get("attention_mask")
-            if mask is not None and not bool(mask.bool().all()):
-                raise ValueError(
-                    "batches with padding (attention_mask with zeros) are not supported by pipeline layers, which "
-                    "build a plain causal mask: pack the sequences, and mark positions to skip with labels = -100"
-                )
+            _refuse_padding(batch.get("attention_mask"))
             return ids, shift_labels(batch.get("labels", ids))
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             return batch[0], batch[1]
         raise ValueError(f"a batch must be (input_ids, targets) or a dict with input_ids, got {type(batch).__name__}")
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Refuse padded dict batches while they are still on the host (Lightning moves them to the device next)."""
+        if isinstance(batch, Mapping):
+            _refuse_padding(batch.get("attention_mask"))
+        return batch
 
     def pipeline_loss(self, output: Tensor | tuple[Tensor, Tensor], target: Tensor) -> Tensor:
         """Hugging Face's causal-LM cross-entropy on already shifted targets, plus carried auxiliary losses.
@@ -284,6 +287,15 @@ def _depth_router(seed: int, index: int, hidden: int, capacity: float) -> DepthR
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(layer_seed(seed, index))
         return DepthRouter(hidden, capacity)
+
+
+def _refuse_padding(mask: Tensor | None) -> None:
+    """Refuse an ``attention_mask`` with zeros, read only on the host (a device read stalls the device)."""
+    if mask is not None and mask.device.type == "cpu" and not bool(mask.bool().all()):
+        raise ValueError(
+            "batches with padding (attention_mask with zeros) are not supported by pipeline layers, which build a "
+            "plain causal mask: pack the sequences, and mark positions to skip with labels = -100"
+        )
 
 
 def _is_meta(layer: nn.Module) -> bool:
