@@ -41,7 +41,8 @@ def main() -> None:
         "num_key_value_heads": 2,  # grouped-query attention
         "max_position_embeddings": 64,
     }
-    # From a config every process builds the same weights (from `seed`).
+    # From a config no process builds the whole model: each stage initialises only its own layers, layer i from its
+    # own seed (derived from `seed`), so the weights are those a single process would build.
     model = from_hf(config, lr=3e-3, weight_decay=0.1, seed=0)
 
     callbacks = [

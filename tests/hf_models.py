@@ -50,15 +50,22 @@ CONFIGS = {
 }
 
 
-def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """The plain Hugging Face model of a family (the same weights as ``from_hf(CONFIGS[family], seed=seed)``)."""
+def hf_model(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """The plain Hugging Face model of a family (config ``overrides``) with the weights ``from_hf`` gives it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = dict(CONFIGS[family])
+    config = {**CONFIGS[family], **overrides}
+    module = built(from_hf(config, seed=seed))
     config = AutoConfig.for_model(config.pop("model_type"), **config)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.load_state_dict(module.hf_state_dict())
+    return model
+
+
+def built(module: L.LightningModule) -> L.LightningModule:
+    """``module`` with its layers materialised, as a Trainer without a pipeline strategy leaves it."""
+    module.configure_model()
+    return module
 
 
 def loader() -> DataLoader:

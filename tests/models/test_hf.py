@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from _helpers import assert_close_losses, assert_close_model, assert_close_params, launch_script
-from hf_models import CONFIGS, fit, hf_model, hf_state, pipeline_model, reference
+from hf_models import CONFIGS, built, fit, hf_model, hf_state, pipeline_model, reference
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch.utils.flop_counter import FlopCounterMode
@@ -29,7 +29,7 @@ from dynmo_lightning.callbacks import (
     TokenEarlyExit,
 )
 from dynmo_lightning.cli import CONF_DIR, export
-from dynmo_lightning.models.hf import from_hf, save_hf, shift_labels
+from dynmo_lightning.models.hf import from_hf, save_hf, shift_labels, to_hf_keys
 from dynmo_lightning.pipeline.sharded import load_whole
 
 SCRIPT = Path(__file__).resolve().parent.parent / "_hf_script.py"
@@ -46,7 +46,7 @@ def _ids(batch: int = 2, seq: int = 16) -> torch.Tensor:
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layers_give_the_hf_models_own_logits_and_loss(family, impl):
-    module = from_hf(CONFIGS[family], seed=0, attn_implementation=impl)
+    module = built(from_hf(CONFIGS[family], seed=0, attn_implementation=impl))
     hf = hf_model(family)
     hf.config._attn_implementation = impl
     x = _ids()
@@ -62,14 +62,8 @@ def test_layers_give_the_hf_models_own_logits_and_loss(family, impl):
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
 def test_the_llama_family_shares_the_layout(model_type):
-    from transformers import AutoConfig
-
-    config = {**CONFIGS["llama"], "model_type": model_type}
-    module = from_hf(config, seed=0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config.pop("model_type")
-        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), attn_implementation="sdpa")
+    module = built(from_hf({**CONFIGS["llama"], "model_type": model_type}, seed=0))
+    hf = hf_model("llama", model_type=model_type)
     x = _ids()
     assert torch.equal(module(x), hf(input_ids=x).logits)
     layer = module.layers[0]  # Qwen2 has query/key/value biases: pruned with their rows
@@ -98,7 +92,7 @@ def test_from_hf_refuses_what_it_cannot_split():
     module = pipeline_model("llama")
     with pytest.raises(ValueError, match="padding"):
         module.pipeline_split_batch({"input_ids": _ids(), "attention_mask": torch.zeros(2, 16)})
-    windowed = from_hf({**CONFIGS["llama"], "model_type": "mistral", "sliding_window": 8})
+    windowed = built(from_hf({**CONFIGS["llama"], "model_type": "mistral", "sliding_window": 8}))
     with pytest.raises(ValueError, match="sliding attention window 8"):
         windowed(_ids())
     with pytest.raises(ValueError, match="cannot both act"):
@@ -106,6 +100,154 @@ def test_from_hf_refuses_what_it_cannot_split():
     for callback in (MixtureOfExperts(), DynamicSparseAttention()):  # they would replace the trained MLP/attention
         with pytest.raises(ValueError, match="cannot apply to a Hugging Face model"):
             callback.setup(None, module, "fit")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Weights: none allocated by from_hf; each layer materialised where it runs, initialised or read by key
+# ---------------------------------------------------------------------------------------------------------------------
+def _stage(module, rank: int, layers_per_stage: tuple[int, ...]):
+    """Split ``module`` as DynMoStrategy does on pipeline ``rank`` (layers made in its meta-device context)."""
+    from dynmo_lightning.pipeline.runtime import StagePlan
+    from dynmo_lightning.pipeline.split import pipeline_layers, split_module
+
+    with torch.device("meta"):  # what DynMoStrategy.model_sharded_context gives configure_model
+        module.configure_model()
+    plan = StagePlan(layers_per_stage, len(layers_per_stage))
+    split_module(module, pipeline_layers(module), plan, rank, torch.device("cpu"), module.pipeline_init_seed)
+    return plan.layers_of_rank(rank)
+
+
+def _real_bytes(layer: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in layer.parameters() if not t.is_meta)
+
+
+def _layer_of(key: str, n_layers: int) -> int:
+    """The pipeline layer of a :class:`HFCausalLM` state-dict key."""
+    top, *rest = key.split(".")
+    if top == "layers":
+        return int(rest[0]) + 1
+    return 0 if top == "embed" else n_layers - 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_hf_allocates_no_weights_and_a_stage_builds_only_its_own_layers(family):
+    module = pipeline_model(family)
+    assert all(p.is_meta for p in module.parameters())
+    whole = built(pipeline_model(family)).state_dict()
+    tie = {"head.lm_head.weight"} if module.tied else set()  # the tie's value comes from the embedding's stage
+    for rank in (0, 1):
+        stage = pipeline_model(family)
+        mine = _stage(stage, rank, (3, 3))
+        for i, layer in enumerate(stage.pipeline_layers()):
+            assert _real_bytes(layer) > 0 if i in mine else getattr(layer, "pipeline_remote", False)
+        state = {k: v for k, v in stage.state_dict().items() if k not in tie}
+        assert state.keys() == {k for k in whole if _layer_of(k, 6) in mine} - tie
+        for key, value in state.items():  # layer i has the same weights on any stage as in the whole model
+            assert torch.equal(value, whole[key]), key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_layers_follow_the_hf_models_own_initialisation(family):
+    from transformers import AutoConfig
+
+    config = dict(CONFIGS[family])
+    reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config)).state_dict()
+    ours = built(pipeline_model(family)).hf_state_dict()
+    assert ours.keys() == reference.keys()
+    for key, ref in reference.items():
+        if ref.is_floating_point() and ref.numel() > 1 and ref.std() > 0:  # drawn: the same distribution
+            assert abs(ours[key].std() / ref.std() - 1) < 0.2 and abs(ours[key].mean()) < 0.01, key
+        else:  # constants (norms, biases, masks): the same values
+            assert torch.equal(ours[key], ref), key
+
+
+def _record_reads(monkeypatch) -> list[str]:
+    """Every tensor key the safetensors files are asked for from now on."""
+    import safetensors
+
+    reads, real = [], safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self._f = real(*args, **kwargs)
+
+        def __enter__(self):
+            self._f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._f.__exit__(*exc)
+
+        def keys(self):
+            return self._f.keys()
+
+        def get_tensor(self, key):
+            reads.append(key)
+            return self._f.get_tensor(key)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    return reads
+
+
+@pytest.mark.parametrize("shards", ["one file", "shards"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pretrained_stages_read_only_their_own_tensors(tmp_path, monkeypatch, family, shards):
+    hf = hf_model(family, seed=5)
+    hf.save_pretrained(tmp_path, **({"max_shard_size": "20KB"} if shards == "shards" else {}))
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (shards == "shards")
+    reads = _record_reads(monkeypatch)
+    whole = built(from_hf(pretrained=tmp_path))
+    x = _ids()
+    with torch.no_grad():
+        assert torch.equal(whole(x), hf(input_ids=x).logits)
+    saved = set(reads)
+    assert saved == set(hf.state_dict()) - ({"lm_head.weight"} if whole.tied else set())
+    for rank, layers_per_stage in ((0, (2, 4)), (1, (2, 4))):
+        reads.clear()
+        stage = from_hf(pretrained=tmp_path)
+        mine = _stage(stage, rank, layers_per_stage)
+        expected = {k for k in to_hf_keys(stage.state_dict(), stage.family)[0] if k in saved}
+        assert len(reads) == len(set(reads)) and set(reads) == expected  # each of this stage's tensors, once
+        assert (0 in mine) == any(k.startswith(stage.family.wte) for k in reads)
+
+
+def test_pretrained_refuses_pickles_and_incomplete_checkpoints(tmp_path):
+    hf = hf_model("llama")
+    hf.config.save_pretrained(tmp_path / "pickle")
+    torch.save(hf.state_dict(), tmp_path / "pickle" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"no safetensors weights .*pytorch_model\.bin.*can run code"):
+        from_hf(pretrained=tmp_path / "pickle")
+    hf_model("llama", num_hidden_layers=2).save_pretrained(tmp_path / "short")
+    config = json.loads((tmp_path / "short" / "config.json").read_text())
+    (tmp_path / "short" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    with pytest.raises(ValueError, match=r"lacks 18 of the model's tensors: \['model.layers.2."):
+        from_hf(pretrained=tmp_path / "short")
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        from_hf(pretrained=tmp_path / "absent")
+
+
+def test_dynamic_parts_are_the_same_built_before_or_after_the_weights():
+    before = pipeline_model("llama")
+    before.configure_dynamics(mod_every=2, mod_capacity=0.5)
+    after = built(pipeline_model("llama"))
+    after.configure_dynamics(mod_every=2, mod_capacity=0.5)
+    assert torch.equal(torch.cat([p.flatten() for p in built(before).parameters()]),
+                       torch.cat([p.flatten() for p in after.parameters()]))  # fmt: skip
+    assert before.layers[1].depth_router.k(16) == 8
+    gated = pipeline_model("gpt2")
+    gated.configure_dynamics(early_exit=True)
+    assert all(float(layer.exit_gate.threshold) == 2.0 for layer in built(gated).layers)  # no exits until scheduled
+
+
+def test_padding_is_refused_on_the_host_and_a_device_mask_is_never_read():
+    module = pipeline_model("llama")
+    padded = {"input_ids": _ids(), "attention_mask": torch.ones(2, 16).index_fill(1, torch.tensor([15]), 0)}
+    with pytest.raises(ValueError, match="padding"):
+        module.on_before_batch_transfer(padded, 0)  # Lightning's loops, before the batch moves to the device
+    assert module.on_before_batch_transfer({"input_ids": _ids()}, 0)["input_ids"].shape == (2, 16)
+    on_device = {"input_ids": _ids(), "attention_mask": torch.zeros(2, 16, device="meta")}  # any read would raise
+    inputs, labels = module.pipeline_split_batch(on_device)
+    assert torch.equal(inputs, _ids()) and torch.equal(labels, shift_labels(_ids()))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -119,7 +261,7 @@ def _flops(layer: torch.nn.Module, h: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pruning_shrinks_flops_and_equals_the_masked_dense_layer(family):
-    module = pipeline_model(family)
+    module = built(pipeline_model(family))
     layer = module.layers[1]
     h = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
     neurons = torch.tensor([0, 3, 5, *range(10, 40)])
@@ -159,7 +301,7 @@ def test_gradual_pruning_prunes_llama_units_and_a_pruned_checkpoint_loads(tmp_pa
     for layer in module.layers:  # optimizer state sliced with the weights
         w = layer.layer.mlp.gate_proj.weight
         assert trainer.optimizers[0].state[w]["exp_avg"].shape == w.shape
-    fresh = pipeline_model("llama")
+    fresh = built(pipeline_model("llama"))
     fresh.load_state_dict(module.state_dict())  # a pruned checkpoint resumes pruned
     x = _ids()
     torch.testing.assert_close(fresh(x), module(x))
@@ -180,6 +322,7 @@ def test_unstructured_pruning_masks_gpt2_conv1d_weights():
 def test_export_leaves_out_dynamic_parts_and_refuses_pruned_widths(tmp_path):
     module = pipeline_model("llama")
     module.configure_dynamics(mod_every=2, mod_capacity=0.5)
+    built(module)
     left = save_hf(module.state_dict(), module.hparams["hf_config"], tmp_path / "hf")
     assert left and all(".depth_router." in k for k in left)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -189,17 +332,89 @@ def test_export_leaves_out_dynamic_parts_and_refuses_pruned_widths(tmp_path):
         save_hf(module.state_dict(), module.hparams["hf_config"], tmp_path / "pruned")
 
 
+def _loop_scores(units) -> torch.Tensor:
+    """What ``unit_scores`` computed before it was vectorised: one unit at a time, a sum per part and unit."""
+    n = units.n_units()
+    energies = [
+        p.detach().float().square().sum([d for d in range(p.dim()) if d != dim]) if p.dim() > 1 else
+        p.detach().float().square()
+        for p, dim, _ in units._parts(torch.arange(n))
+    ]  # fmt: skip
+    scores = [
+        sum(e[i.reshape(-1)].sum() for e, (_, _, i) in zip(energies, units._parts(torch.tensor([j])), strict=True))
+        for j in range(n)
+    ]
+    return torch.stack(scores).sqrt()
+
+
+def _old_spans(units: torch.Tensor, width: int, offset: int = 0) -> torch.Tensor:
+    """The indices ``_spans`` gave before (a CPU ``arange`` added to the units' indices)."""
+    return (offset + units[:, None] * width + torch.arange(width)).reshape(-1)
+
+
+def _old_indices(units, keep: torch.Tensor) -> list[torch.Tensor]:
+    """The indices along each part's dimension that the units' ``_parts`` gave before, part by part."""
+    t = units.target
+    if hasattr(t, "gate_proj"):
+        return [keep] * (3 + sum(lin.bias is not None for lin in (t.gate_proj, t.up_proj)))
+    if hasattr(t, "c_fc"):
+        return [keep] * 3
+    D = t.head_dim
+    if hasattr(t, "q_proj"):
+        per_group = t.q_proj.weight.shape[0] // t.k_proj.weight.shape[0]
+        kv, q = _old_spans(keep, D), _old_spans(keep, per_group * D)
+        biases = [r for lin, r in ((t.q_proj, q), (t.k_proj, kv), (t.v_proj, kv)) if lin.bias is not None]
+        return [q, kv, kv, q, *biases]
+    S = t.c_proj.weight.shape[0]
+    cols = torch.cat([_old_spans(keep, D, c * S) for c in range(3)])
+    return [cols, cols, _old_spans(keep, D)]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])
+def test_vectorised_unit_scores_and_indices_equal_the_per_unit_loop(model_type):
+    family = "gpt2" if model_type == "gpt2" else "llama"
+    module = built(from_hf({**CONFIGS[family], "model_type": model_type, "num_key_value_heads": 4}, seed=3))
+    for layer in module.layers:
+        for units in (layer.mlp_units, layer.attn_units):
+            for _ in range(2):  # the full layer, then after pruning by the scores
+                scores = units.unit_scores()
+                assert torch.equal(scores, _loop_scores(units))
+                keep = scores.topk(max(1, units.n_units() * 3 // 4)).indices.sort().values
+                old = _old_indices(units, keep)
+                new = [index.reshape(-1) for _, _, index in units._parts(keep)]
+                assert len(new) == len(old) and all(torch.equal(a, b) for a, b in zip(new, old, strict=True))
+                units.keep_units(keep)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])
+def test_pruning_scores_and_slices_on_the_weights_device(model_type):
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+
+    family = "gpt2" if model_type == "gpt2" else "llama"
+    layer = from_hf({**CONFIGS[family], "model_type": model_type}).layers[0]  # meta device: nothing to copy
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        layer.to_empty(device="cuda")  # fake CUDA tensors: mixing them with CPU tensors raises, as CUDA would
+        with pytest.raises(FakeTensorDeviceMismatchError):  # what `_spans` did when pruning a CUDA model's heads
+            torch.arange(2, device="cuda").unsqueeze(1) * 8 + torch.arange(8)  # ([:, None] needs a CUDA build here)
+        for units in (layer.mlp_units, layer.attn_units):
+            scores = units.unit_scores()
+            assert scores.device.type == "cuda" and scores.shape == (units.initial_units,)
+            units.keep_units(scores.topk(units.n_units() // 2).indices.sort().values)
+            units.keep_units(torch.tensor([0]))  # a selection made on the host moves to the weights
+            assert units.n_units() == 1 and all(p.device.type == "cuda" for p in units.parameters())
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Early exit and Mixture of Depths around decoder layers
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_enabled_but_nothing_skipped_is_exactly_dense(family):
     x = _ids()
-    dense = pipeline_model(family)(x)
+    dense = built(pipeline_model(family))(x)
     for options in ({"early_exit": True}, {"mod_every": 2, "mod_capacity": 1.0}):
         module = pipeline_model(family)
         module.configure_dynamics(**options)
-        logits, aux = module(x)
+        logits, aux = built(module)(x)
         assert torch.equal(logits, dense) and float(aux.sum()) == 0.0
 
 
@@ -207,7 +422,7 @@ def test_enabled_but_nothing_skipped_is_exactly_dense(family):
 def test_early_exit_computes_active_tokens_as_the_dense_layer_does(family):
     module = pipeline_model(family)
     module.configure_dynamics(early_exit=True)
-    layer = module.layers[2]
+    layer = built(module).layers[2]
     h = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(4))
     active = (torch.rand(2, 16, generator=torch.Generator().manual_seed(5)) < 0.6).float()
     with torch.no_grad():
@@ -221,7 +436,7 @@ def test_early_exit_computes_active_tokens_as_the_dense_layer_does(family):
 def test_mixture_of_depths_routes_tokens_at_their_own_rotary_positions():
     module = pipeline_model("llama")
     module.configure_dynamics(mod_every=2, mod_capacity=0.5)
-    layer, rotary = module.layers[1], hf_model("llama").model.rotary_emb
+    layer, rotary = built(module).layers[1], hf_model("llama").model.rotary_emb
     h = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         y, _, aux = layer(h, torch.ones(2, 16), torch.zeros(2))
@@ -374,12 +589,12 @@ def test_the_pipeline_checkpoint_exports_to_hf_and_loads_with_from_pretrained(ru
     ckpt = runs / f"{family}-p2.ckpt"  # sharded: every stage wrote its own layers
     export([str(ckpt), str(tmp_path / "hf"), "--hf"])
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa")
-    module = pipeline_model(family)
+    module = built(pipeline_model(family))
     module.load_state_dict(load_whole(ckpt)["state_dict"])
     x = _ids()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=x).logits, module(x), rtol=0, atol=0)
-    again = from_hf(pretrained=tmp_path / "hf")  # and back in as a pipeline model (what model.pretrained=PATH does)
+    again = built(from_hf(pretrained=tmp_path / "hf"))  # back in as a pipeline model (what model.pretrained=PATH does)
     with torch.no_grad():
         torch.testing.assert_close(again(x), module(x), rtol=0, atol=0)
     if family == "gpt2":
@@ -397,7 +612,7 @@ def test_dynmo_train_model_hf_llama_with_freezing_and_the_balancer_exports_to_hf
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*CLI[:5], f"model.pretrained={tmp_path / 'hf'}", "run_dir=/x"])
-    again = instantiate(cfg.model, _convert_="all")  # model.pretrained=PATH: the trained weights, as a pipeline model
+    again = built(instantiate(cfg.model, _convert_="all"))  # model.pretrained=PATH: the trained weights, pipeline-ready
     state = load_whole(ckpt)["state_dict"]
     assert again.state_dict().keys() == state.keys()
     assert_close_params(again.state_dict(), state, rtol=0)
@@ -417,7 +632,7 @@ def test_hydra_model_configs_build_hf_models(tmp_path, name):
     hf.save_pretrained(tmp_path / "local")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={name}", f"model.pretrained={tmp_path / 'local'}", "run_dir=/x"])
-    module = instantiate(cfg.model, _convert_="all")
+    module = built(instantiate(cfg.model, _convert_="all"))
     x = _ids()
     with torch.no_grad():
         assert torch.equal(module(x), hf(input_ids=x).logits)

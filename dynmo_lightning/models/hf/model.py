@@ -5,6 +5,10 @@ embedding, every decoder layer, final norm + head. Tied embeddings stay one shar
 keeps exact across stages (:mod:`dynmo_lightning.pipeline.ties`). The loss is Hugging Face's causal-LM cross-entropy
 (logits upcast to float, ``-100`` ignored); dataloader batches are ``(input_ids, next_token_ids)`` pairs, or
 Hugging Face style dicts ``{"input_ids", "labels"}`` whose labels are shifted as Hugging Face does.
+
+From a config or a checkpoint, the layers start on the meta device (:mod:`.weights`): under a pipeline strategy each
+stage materialises only its own layers (initialised, or read from the checkpoint by key), so no process holds the
+whole model; :meth:`HFCausalLM.configure_model` materialises all of them everywhere else.
 :func:`save_hf` writes a trained module's weights back as a Hugging Face checkpoint (``save_pretrained``).
 """
 
@@ -20,8 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynmo_lightning.models.hf.layers import FAMILIES, MODEL_TYPES, DecoderLayer, Embedding, Family, Head
+from dynmo_lightning.models.hf.weights import SafetensorsWeights, init_like_hf, init_rules, meta_parameters
 from dynmo_lightning.models.routing import DepthRouter, ExitGate
-from dynmo_lightning.protocol import PipelineModule, layer_seed
+from dynmo_lightning.protocol import PipelineModule, layer_seed, materialise_layer
 
 IGNORE_INDEX = -100
 
@@ -43,15 +48,22 @@ def transformers() -> Any:
 class HFCausalLM(PipelineModule):
     """A Hugging Face causal LM split into pipeline layers (build it with :func:`from_hf`).
 
+    Layers whose parameters are on the meta device get their weights where they run (:meth:`configure_model`, or a
+    pipeline strategy's split through :meth:`pipeline_init_layer`).
+
     Args:
-        model: a ``transformers`` causal LM of a supported family (GPT-2; Llama, Mistral, Qwen2).
+        model: a ``transformers`` causal LM of a supported family (GPT-2; Llama, Mistral, Qwen2), its parameters
+            real or on the meta device (:func:`~dynmo_lightning.models.hf.weights.meta_parameters`).
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay of weight matrices (biases, norms and embeddings are not decayed).
         betas: AdamW betas.
         eps: AdamW epsilon.
         optimizer: ``param_groups -> Optimizer`` instead of AdamW (it receives the two groups, decayed first).
         lr_scheduler: ``optimizer -> LR scheduler`` stepped every optimizer step (``None``: none).
-        seed: seeds the dynamic parts added later (routers), the same on every process.
+        seed: base seed of the per-layer initialisation of meta-device layers and of the dynamic parts added later
+            (routers): the same weights on every process.
+        weights: where meta-device layers read their tensors (``from_hf(pretrained=...)``); ``None``: they are
+            initialised by the Hugging Face model's rules.
     """
 
     def __init__(
@@ -65,18 +77,96 @@ class HFCausalLM(PipelineModule):
         optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         seed: int = 0,
+        weights: SafetensorsWeights | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler"])
+        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "weights"])
         self.family = _family(model.config)
         self.hparams["hf_config"] = model.config.to_dict()
         self._optimizer, self._lr_scheduler = optimizer, lr_scheduler
         self.embed, self.layers, self.head = _split(model, self.family)
         self.tied = self.head.lm_head.weight is self.embed.wte.weight
+        self.pipeline_init_seed = seed
+        self._weights = weights
+        # Kept outside the module tree (a submodule would be trained and saved): the model's initialisation rules,
+        # and every layer's buffers as built, which materialising a meta-device layer restores.
+        self.__dict__["_init_rules"] = init_rules(model)
+        self._built_buffers = {i: dict(layer.named_buffers()) for i, layer in enumerate(self.pipeline_layers())}
 
     # ----------------------------------------------------------------------------------------------------------------
     # Pipeline protocol
     # ----------------------------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Give the meta-device layers their weights on the default device (Lightning calls it in the Trainer's).
+
+        Under ``DynMoStrategy`` the default device is the meta device and nothing happens: each stage materialises
+        only its own layers when the strategy splits the model. Everywhere else (plain Lightning, or outside a
+        Trainer: call it before using the module) every layer is materialised, each as a stage would.
+        """
+        device = torch.get_default_device()
+        if device.type == "meta":
+            return
+        built = [(i, layer) for i, layer in enumerate(self.pipeline_layers()) if _is_meta(layer)]
+        for i, layer in built:
+            materialise_layer(self, i, layer, self.pipeline_init_seed, device)
+        if built and self.tied:
+            self.head.lm_head.weight = self.embed.wte.weight  # each materialised layer got its own copy: tie again
+
+    def pipeline_init_layer(self, index: int, layer: nn.Module) -> None:
+        """Initial weights of layer ``index``: its tensors from the checkpoint, else the Hugging Face model's rules.
+
+        :func:`~dynmo_lightning.protocol.init_layer` calls it on the host, with the CPU generator seeded for this
+        layer, after the layer got storage: the layer has the same weights wherever it is built. A tied output
+        projection is left alone (the tie's value is the embedding's); buffers are restored as built, and dynamic
+        parts (exit gates, depth routers) start as :meth:`configure_dynamics` builds them.
+        """
+        parts = _hf_parts(layer, self.tied)
+        if self._weights is None:
+            init_like_hf(self._init_rules, parts.values())
+        else:
+            self._load(_layer_prefix(index, layer), parts)
+        with torch.no_grad():
+            for name, value in self._built_buffers.get(index, {}).items():
+                layer.get_buffer(name).copy_(value)
+        if isinstance(layer, DecoderLayer):
+            if layer.exit_gate is not None:
+                layer.exit_gate.reset_buffers()
+            router = layer.depth_router
+            if router is not None:
+                fresh = _depth_router(self.hparams.seed, index, router.router.in_features, router.initial_capacity)
+                router.load_state_dict(fresh.state_dict())
+
+    def _load(self, prefix: str, parts: Mapping[str, nn.Module]) -> None:
+        """Copy the checkpoint's tensors of the Hugging Face ``parts`` of a layer (module names under ``prefix``)."""
+        assert self._weights is not None
+        state = {
+            k: v
+            for name, part in parts.items()
+            for k, v in part.state_dict(prefix=f"{prefix}{name}.", keep_vars=True).items()
+        }
+        targets = to_hf_keys(state, self.family)[0]
+        with torch.no_grad():
+            for key, value in self._weights.read(targets).items():
+                if value.shape != targets[key].shape:
+                    raise ValueError(
+                        f"{key} has shape {tuple(value.shape)} in the checkpoint but {tuple(targets[key].shape)} in "
+                        "the model its config.json describes"
+                    )
+                targets[key].copy_(value)
+
+    def forward(self, inputs: Any) -> Any:
+        """All layers in order, once they have weights (:meth:`configure_model`; a Trainer calls it).
+
+        Raises:
+            RuntimeError: layers are still on the meta device.
+        """
+        if any(p.is_meta for p in self.parameters()):
+            raise RuntimeError(
+                "the layers of a from_hf module built from a config or checkpoint start on the meta device: call "
+                "configure_model() before using the module outside a Trainer (a Trainer calls it)"
+            )
+        return super().forward(inputs)
+
     def pipeline_layers(self) -> list[nn.Module]:
         """Embedding, the decoder layers, and final norm + head, in order."""
         return [self.embed, *self.layers, self.head]
@@ -85,20 +175,23 @@ class HFCausalLM(PipelineModule):
         """``(input_ids, next_token_ids)``; a dict's ``labels`` (default: its ``input_ids``) are shifted as HF does.
 
         Raises:
-            ValueError: a dict batch with padding (``attention_mask`` with zeros): pack sequences instead.
+            ValueError: a dict batch whose ``attention_mask`` on the host has zeros (padding): pack sequences instead.
+                A mask on a device is not read here (that would stall the device every batch): Lightning's loops
+                check it on the host, in :meth:`on_before_batch_transfer`, before moving the batch.
         """
         if isinstance(batch, Mapping):
             ids = batch["input_ids"]
-            mask = batch.get("attention_mask")
-            if mask is not None and not bool(mask.bool().all()):
-                raise ValueError(
-                    "batches with padding (attention_mask with zeros) are not supported by pipeline layers, which "
-                    "build a plain causal mask: pack the sequences, and mark positions to skip with labels = -100"
-                )
+            _refuse_padding(batch.get("attention_mask"))
             return ids, shift_labels(batch.get("labels", ids))
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             return batch[0], batch[1]
         raise ValueError(f"a batch must be (input_ids, targets) or a dict with input_ids, got {type(batch).__name__}")
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Refuse padded dict batches while they are still on the host (Lightning moves them to the device next)."""
+        if isinstance(batch, Mapping):
+            _refuse_padding(batch.get("attention_mask"))
+        return batch
 
     def pipeline_loss(self, output: Tensor | tuple[Tensor, Tensor], target: Tensor) -> Tensor:
         """Hugging Face's causal-LM cross-entropy on already shifted targets, plus carried auxiliary losses.
@@ -165,12 +258,11 @@ class HFCausalLM(PipelineModule):
             raise ValueError("early exit and Mixture of Depths cannot both act on the decoder layers of one model")
         hidden = self.hparams["hf_config"].get("hidden_size") or self.hparams["hf_config"]["n_embd"]
         for i, layer in enumerate(self.layers):
+            device = next(layer.parameters()).device  # the meta device until the layer is materialised
             if early_exit and layer.exit_gate is None:
-                layer.exit_gate = ExitGate().to(self.head.lm_head.weight.device)
+                layer.exit_gate = ExitGate().to(device)
             if mod_every and (i + 1) % mod_every == 0 and layer.depth_router is None:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(layer_seed(self.hparams.seed, i + 1))  # the same router on every process
-                    layer.depth_router = DepthRouter(hidden, mod_capacity).to(self.head.lm_head.weight.device)
+                layer.depth_router = _depth_router(self.hparams.seed, i + 1, hidden, mod_capacity).to(device)
         self.embed.carry = any(layer.exit_gate is not None or layer.depth_router is not None for layer in self.layers)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
@@ -188,6 +280,43 @@ def _family(config: Any) -> Family:
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         raise ValueError("from_hf takes decoder-only causal LMs (no cross-attention)")
     return FAMILIES[MODEL_TYPES[model_type]]
+
+
+def _depth_router(seed: int, index: int, hidden: int, capacity: float) -> DepthRouter:
+    """The depth router of pipeline layer ``index``: the same weights on every process and device, whenever built."""
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(layer_seed(seed, index))
+        return DepthRouter(hidden, capacity)
+
+
+def _refuse_padding(mask: Tensor | None) -> None:
+    """Refuse an ``attention_mask`` with zeros, read only on the host (a device read stalls the device)."""
+    if mask is not None and mask.device.type == "cpu" and not bool(mask.bool().all()):
+        raise ValueError(
+            "batches with padding (attention_mask with zeros) are not supported by pipeline layers, which build a "
+            "plain causal mask: pack the sequences, and mark positions to skip with labels = -100"
+        )
+
+
+def _is_meta(layer: nn.Module) -> bool:
+    return any(t.is_meta for t in (*layer.parameters(), *layer.buffers()))
+
+
+def _hf_parts(layer: nn.Module, tied: bool) -> dict[str, nn.Module]:
+    """The Hugging Face modules of a pipeline layer by name (not dynamic parts, not a tied output projection)."""
+    if isinstance(layer, Embedding):
+        return {name: m for name, m in (("wte", layer.wte), ("wpe", layer.wpe)) if m is not None}
+    if isinstance(layer, DecoderLayer):
+        return {"layer": layer.layer}
+    assert isinstance(layer, Head), type(layer)
+    return {"norm": layer.norm} if tied else {"norm": layer.norm, "lm_head": layer.lm_head}
+
+
+def _layer_prefix(index: int, layer: nn.Module) -> str:
+    """Where pipeline layer ``index`` sits in :class:`HFCausalLM` (its state-dict prefix)."""
+    if isinstance(layer, Embedding):
+        return "embed."
+    return f"layers.{index - 1}." if isinstance(layer, DecoderLayer) else "head."
 
 
 def _split(model: nn.Module, family: Family) -> tuple[Embedding, nn.ModuleList, Head]:
@@ -245,24 +374,34 @@ def from_hf(
 ) -> HFCausalLM:
     """A pipeline-ready LightningModule from a Hugging Face causal LM, its config, or a local checkpoint.
 
+    From a config or a checkpoint no weights are allocated here: the layers start on the meta device and get their
+    weights where they run (:meth:`HFCausalLM.configure_model`; under ``DynMoStrategy`` each stage only its own).
+
     Args:
         model_or_config: a ``transformers`` causal LM (trained as it is), a ``PretrainedConfig`` or a dict with
-            ``model_type`` (a randomly initialised model, from ``seed``); ignored when ``pretrained`` is given.
-        pretrained: a local directory written by ``save_pretrained`` (never downloads).
+            ``model_type`` (each layer initialised by the Hugging Face model's rules from its own seed, see
+            :func:`~dynmo_lightning.protocol.layer_seed`); ignored when ``pretrained`` is given.
+        pretrained: a local directory written by ``save_pretrained`` (never downloads): its ``config.json`` and
+            safetensors weights (one file or shards), each layer reading only its own tensors.
         **options: ``attn_implementation`` (``"sdpa"``, the default, or ``"eager"``; for configs and checkpoints),
             and :class:`HFCausalLM`'s options (``lr``, ``weight_decay``, ``betas``, ``eps``, ``optimizer``,
             ``lr_scheduler``, ``seed``).
 
     Raises:
-        ValueError: an unsupported model family or attention implementation.
+        ValueError: an unsupported model family or attention implementation; a checkpoint without safetensors
+            weights (pickles can run code) or without some of the model's tensors.
+        FileNotFoundError: ``pretrained`` is not a directory.
         ImportError: ``transformers`` is not installed.
     """
     tf = transformers()
     impl = options.pop("attn_implementation", "sdpa")
+    if pretrained is None and isinstance(model_or_config, nn.Module):
+        return HFCausalLM(model_or_config, **options)
     if pretrained is not None:
-        model = tf.AutoModelForCausalLM.from_pretrained(os.fspath(pretrained), attn_implementation=impl)
-    elif isinstance(model_or_config, nn.Module):
-        model = model_or_config
+        directory = os.fspath(pretrained)
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"pretrained={directory!r} is not a directory written by save_pretrained")
+        config = tf.AutoConfig.from_pretrained(directory)
     else:
         config = model_or_config
         if isinstance(config, Mapping):
@@ -270,11 +409,17 @@ def from_hf(
             config = tf.AutoConfig.for_model(config.pop("model_type"), **config)
         if config is None:
             raise ValueError("from_hf needs a model, a config, or pretrained=PATH")
-        _family(config)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(options.get("seed", 0))  # the same initial weights on every process
-            model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
-    return HFCausalLM(model, **options)
+    _family(config)
+    with meta_parameters():
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+    weights = None if pretrained is None else SafetensorsWeights(directory, model.base_model_prefix)
+    module = HFCausalLM(model, weights=weights, **options)
+    if weights is not None:
+        needed = to_hf_keys(module.state_dict(), module.family)[0]
+        missing = [k for k in needed if weights.stored_key(k) is None and not (module.tied and k == "lm_head.weight")]
+        if missing:
+            raise ValueError(f"the checkpoint {directory} lacks {len(missing)} of the model's tensors: {missing[:5]}")
+    return module
 
 
 def save_hf(state_dict: Mapping[str, Tensor], hf_config: Mapping[str, Any], out: str | os.PathLike[str]) -> list[str]:

@@ -47,27 +47,36 @@ class Units(nn.Module):
         raise NotImplementedError
 
     def unit_scores(self) -> Tensor:
-        """L2 norm of each unit's weights (rows and columns of every matrix it owns, biases included)."""
-        n = self.n_units()
-        energies = [
-            p.detach().float().square().sum([d for d in range(p.dim()) if d != dim]) if p.dim() > 1 else
-            p.detach().float().square()
-            for p, dim, _ in self._parts(torch.arange(n))
-        ]  # fmt: skip
-        scores = [
-            sum(e[index].sum() for e, (_, _, index) in zip(energies, self._parts(torch.tensor([j])), strict=True))
-            for j in range(n)
-        ]
-        return torch.stack(scores).sqrt()
+        """L2 norm of each unit's weights (rows and columns of every matrix it owns, biases included).
+
+        One reduction per part on the weights' device: the energy of every row (or column) along the part's dimension,
+        gathered into ``(units, indices)`` and summed per unit in the order of the unit's own indices.
+        """
+        device, n = self._device(), self.n_units()
+        total = torch.zeros(n, device=device)
+        for p, dim, index in self._parts(torch.arange(n, device=device)):
+            square = p.detach().float().square()
+            energy = square.sum([d for d in range(p.dim()) if d != dim]) if p.dim() > 1 else square
+            rows = index.movedim(-2, 0).reshape(n, -1)
+            total = total + energy.index_select(0, rows.reshape(-1)).view(n, -1).sum(1)
+        return total.sqrt()
+
+    def _device(self) -> torch.device:
+        return next(self.target.parameters()).device
 
     def _parts(self, keep: Tensor) -> list[tuple[nn.Parameter, int, Tensor]]:
-        """``(parameter, dim, indices along dim)`` belonging to units ``keep``."""
+        """``(parameter, dim, indices along dim)`` belonging to units ``keep`` (on the parameters' device).
+
+        The indices have shape ``(..., len(keep), width)``: the unit axis is second to last, so flattened they are the
+        indices along ``dim`` in ascending order (for ascending ``keep``), and moved to the front each row holds one
+        unit's indices.
+        """
         raise NotImplementedError
 
     def keep_units(self, keep: Tensor, optimizers: Sequence[Optimizer] = ()) -> None:
         """Keep only units ``keep`` (ascending), slicing weights and their optimizer state in place."""
-        for p, dim, index in self._parts(keep):
-            index_select_(p, dim, index, optimizers)
+        for p, dim, index in self._parts(keep.to(self._device())):
+            index_select_(p, dim, index.reshape(-1), optimizers)
         self.sync()
 
     def sync(self) -> None:
@@ -84,8 +93,8 @@ class Units(nn.Module):
 
 
 def _spans(units: Tensor, width: int, offset: int = 0) -> Tensor:
-    """Indices of ``width``-wide blocks ``units``, shifted by ``offset``."""
-    return (offset + units[:, None] * width + torch.arange(width)).reshape(-1)
+    """Indices ``(len(units), width)`` of ``width``-wide blocks ``units``, shifted by ``offset`` (on their device)."""
+    return offset + units.unsqueeze(1) * width + torch.arange(width, device=units.device)
 
 
 class GatedMLPUnits(Units):
@@ -98,9 +107,9 @@ class GatedMLPUnits(Units):
         return self.target.gate_proj.weight.shape[0]
 
     def _parts(self, keep: Tensor) -> list[tuple[nn.Parameter, int, Tensor]]:
-        mlp = self.target
-        parts = [(mlp.gate_proj.weight, 0, keep), (mlp.up_proj.weight, 0, keep), (mlp.down_proj.weight, 1, keep)]
-        parts += [(lin.bias, 0, keep) for lin in (mlp.gate_proj, mlp.up_proj) if lin.bias is not None]
+        mlp, rows = self.target, keep.unsqueeze(1)
+        parts = [(mlp.gate_proj.weight, 0, rows), (mlp.up_proj.weight, 0, rows), (mlp.down_proj.weight, 1, rows)]
+        parts += [(lin.bias, 0, rows) for lin in (mlp.gate_proj, mlp.up_proj) if lin.bias is not None]
         return parts
 
     def sync(self) -> None:
@@ -153,8 +162,8 @@ class Conv1DMLPUnits(Units):
         return self.target.c_fc.weight.shape[1]
 
     def _parts(self, keep: Tensor) -> list[tuple[nn.Parameter, int, Tensor]]:
-        mlp = self.target
-        return [(mlp.c_fc.weight, 1, keep), (mlp.c_fc.bias, 0, keep), (mlp.c_proj.weight, 0, keep)]
+        mlp, rows = self.target, keep.unsqueeze(1)
+        return [(mlp.c_fc.weight, 1, rows), (mlp.c_fc.bias, 0, rows), (mlp.c_proj.weight, 0, rows)]
 
     def sync(self) -> None:
         """``Conv1D.nf`` from the weights."""
@@ -173,7 +182,7 @@ class GPT2HeadUnits(Units):
     def _parts(self, keep: Tensor) -> list[tuple[nn.Parameter, int, Tensor]]:
         attn = self.target
         D, S = attn.head_dim, attn.c_proj.weight.shape[0]
-        cols = torch.cat([_spans(keep, D, c * S) for c in range(3)])
+        cols = torch.stack([_spans(keep, D, c * S) for c in range(3)])  # query, key, value parts: (3, units, D)
         return [(attn.c_attn.weight, 1, cols), (attn.c_attn.bias, 0, cols), (attn.c_proj.weight, 0, _spans(keep, D))]
 
     def sync(self) -> None:
