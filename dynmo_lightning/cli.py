@@ -16,7 +16,6 @@ from typing import Any
 import hydra
 import lightning.pytorch as L
 import torch
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
@@ -26,11 +25,9 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 import dynmo_lightning  # noqa: F401  (registers strategy="dynmo")
 from dynmo_lightning.callbacks import CostTrace, RunSummary
+from dynmo_lightning.launch import fresh_world
 from dynmo_lightning.pipeline import sharded
 from dynmo_lightning.pipeline.safe_load import CheckpointRefused
-
-#: Environment variables Lightning's process launcher sets for the ranks it starts.
-_LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 #: The Hydra config groups, shipped inside the package (``conf/`` at the top of the repository links here).
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -104,20 +101,8 @@ def run(cfg: DictConfig) -> float | None:
 def _train_main(cfg: DictConfig) -> float | None:
     _pin_multirun_job()
     OmegaConf.resolve(cfg)
-    env = {k: os.environ.get(k) for k in _LAUNCHER_ENV}
-    try:
+    with fresh_world():  # the next job of a multirun starts a world of its own in this same process
         return run(cfg)
-    finally:
-        # The next job of a multirun starts a new world in this same process: drop this job's process group and the
-        # variables Lightning's launcher exported (with LOCAL_RANK set, it would think the next job's ranks were
-        # started externally and wait for them).
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def train() -> None:
