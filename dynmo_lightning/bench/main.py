@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from omegaconf import DictConfig, OmegaConf
 from dynmo_lightning.bench import layer_costs, read_json, real, scale, timeline, write_json
 from dynmo_lightning.bench.scale import SEED
 from dynmo_lightning.launch import clean_env, run_ranks
-from dynmo_lightning.pipeline.groups import open_store
 from dynmo_lightning.sim import save_trace
 
 #: The benchmark's Hydra config directory (``conf/bench``, shipped inside the package).
@@ -130,10 +128,7 @@ def real_runs(cfg: DictConfig, out: Path) -> None:
 def _launch(world_size: int, cases: list[dict[str, Any]], out: Path, timeout: float, link: dict | None) -> None:
     """Run ``cases`` back to back in one set of ``world_size`` processes, reporting progress as results appear."""
     spec = out / "real" / "spec.json"
-    # Every case starts a fresh world; the stores its ranks meet at are hosted here, open (and so reserved) until
-    # the launch ends.
-    stores = [open_store("127.0.0.1", timedelta(minutes=30)) for _ in cases]
-    spec.write_text(json.dumps({"cases": cases, "ports": [s.port for s in stores], "link": link}))
+    spec.write_text(json.dumps({"cases": cases, "link": link}))
     progress = Progress(len(cases), "real")
 
     def poll() -> None:
