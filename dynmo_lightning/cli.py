@@ -21,6 +21,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, read_write
 
 import dynmo_lightning  # noqa: F401  (registers strategy="dynmo")
@@ -28,6 +29,9 @@ from dynmo_lightning.callbacks import CostTrace, RunSummary
 from dynmo_lightning.launch import fresh_world
 from dynmo_lightning.pipeline import sharded
 from dynmo_lightning.pipeline.safe_load import CheckpointRefused
+
+#: Accelerators that mean a GPU (``trainer.accelerator``).
+_GPU = ("gpu", "cuda")
 
 #: The Hydra config groups, shipped inside the package (``conf/`` at the top of the repository links here).
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -57,6 +61,20 @@ def build_callbacks(cfg: DictConfig) -> list[Any]:
     return callbacks
 
 
+def trainer_precision(precision: str | int | None, accelerator: Any) -> str | int:
+    """``trainer.precision``, where unset (``null``) means ``bf16-mixed`` on a GPU and ``32-true`` elsewhere.
+
+    A GPU is ``trainer.accelerator=gpu`` (or ``cuda``), or ``auto`` on a machine with CUDA. bf16 autocast is the
+    mixed precision DynMoStrategy supports (``16-mixed`` needs a gradient scaler inside the pipeline schedule);
+    fp32 on a GPU (``trainer.precision=32-true``) runs without TF32 unless asked for (``docs/gpu.md``).
+    """
+    if precision is not None:
+        return precision
+    name = str(accelerator).lower()
+    gpu = name in _GPU or (name == "auto" and torch.cuda.is_available())
+    return "bf16-mixed" if gpu else "32-true"
+
+
 def build_trainer(cfg: DictConfig, callbacks: list[Any] | None = None) -> L.Trainer:
     """Instantiate the Trainer of a config with the strategy, loggers and standard callbacks."""
     run_dir = cfg.run_dir
@@ -74,8 +92,12 @@ def build_trainer(cfg: DictConfig, callbacks: list[Any] | None = None) -> L.Trai
     all_callbacks = [RunSummary(run_dir), checkpoint, *(callbacks or [])]
     if loggers:
         all_callbacks.append(LearningRateMonitor(logging_interval="step"))
+    precision = trainer_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator", "auto"))
+    if cfg.trainer.get("precision") is None:
+        rank_zero_info(f"dynmo-train: trainer.precision is unset: training in {precision} (on GPUs bf16-mixed)")
     return instantiate(
         cfg.trainer,
+        precision=precision,
         strategy=instantiate(cfg.strategy),
         callbacks=all_callbacks,
         logger=loggers or False,
