@@ -129,7 +129,12 @@ class Device:
         return "tf32" if self.cuda and relaxed else "highest"
 
     def reset(self) -> None:
-        """Undo what a section that failed half-way may have left on: CUDA's sync debug mode."""
+        """Undo what a section may leave on, so that the next one (its timings included) starts from the defaults.
+
+        That is deterministic algorithms (a Trainer's ``deterministic``) and CUDA's sync debug mode (a fit that failed
+        half-way).
+        """
+        torch.use_deterministic_algorithms(False)
         if self.cuda:
             torch.cuda.set_sync_debug_mode("default")
 

@@ -152,3 +152,24 @@ def test_a_synchronisation_is_reported_at_the_line_that_led_to_it(monkeypatch):
         r"dynmo_lightning/protocol.py:(\d+) <- dynmo_lightning/protocol.py:\1 \(read_once\)", site
     )
     assert warnings._showwarnmsg is shown  # unwrapped after the fit
+
+
+def test_on_a_gpu_the_profilers_device_time_is_its_kernels_time(monkeypatch):
+    gpu_check = _gpu_check(monkeypatch)
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    class Event:
+        def __init__(self, device_type, device_us, cpu_us):
+            self.device_type, self.self_device_time_total, self.self_cpu_time_total = device_type, device_us, cpu_us
+
+    class Profile:  # an op (whose self device time is its kernels') and its two kernels
+        def key_averages(self):
+            return [Event(cpu, 300.0, 50.0), Event(cuda, 100.0, 0.0), Event(cuda, 200.0, 0.0)]
+
+    gpu, host = gpu_check.Device("cuda"), gpu_check.Device("cpu")
+    assert gpu.profiled_seconds(Profile()) == pytest.approx(300e-6)  # each kernel once, not again through its op
+    assert host.profiled_seconds(Profile()) == pytest.approx(50e-6)
+    assert (gpu.accelerator, host.accelerator) == ("gpu", "cpu")
+    assert torch.profiler.ProfilerActivity.CUDA in gpu.profiler_activities()
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")  # TF32 allowed: wider tolerances
+    assert (gpu.matmul_precision(), host.matmul_precision()) == ("tf32", "highest")
