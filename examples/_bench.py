@@ -43,32 +43,19 @@ def fit(
     """
     with fresh_world():
         L.seed_everything(0)
-        trainer, tokens_per_s = _fit(model, data, callbacks, steps, measure_from, microbatches, schedule)
-        yield trainer, tokens_per_s
-
-
-def _fit(
-    model: dict[str, Any],
-    data: dict[str, Any],
-    callbacks: list[L.Callback],
-    steps: int,
-    measure_from: int,
-    microbatches: int,
-    schedule: str,
-) -> tuple[L.Trainer, float]:
-    timer = Window(measure_from)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size(),
-        max_steps=steps,
-        strategy=DynMoStrategy(n_microbatches=microbatches, schedule=schedule),
-        callbacks=[timer, *callbacks],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
-    datamodule = StdlibCharDataModule(max_bytes=2_000_000, **data)
-    trainer.fit(GPT(**model), datamodule=datamodule)
-    return trainer, timer.steps * datamodule.tokens_per_batch / timer.seconds
+        timer = Window(measure_from)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world_size(),
+            max_steps=steps,
+            strategy=DynMoStrategy(n_microbatches=microbatches, schedule=schedule),
+            callbacks=[timer, *callbacks],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
+        datamodule = StdlibCharDataModule(max_bytes=2_000_000, **data)
+        trainer.fit(GPT(**model), datamodule=datamodule)
+        yield trainer, timer.steps * datamodule.tokens_per_batch / timer.seconds
