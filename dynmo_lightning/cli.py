@@ -16,21 +16,22 @@ from typing import Any
 import hydra
 import lightning.pytorch as L
 import torch
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, read_write
 
 import dynmo_lightning  # noqa: F401  (registers strategy="dynmo")
 from dynmo_lightning.callbacks import CostTrace, RunSummary
+from dynmo_lightning.launch import fresh_world
 from dynmo_lightning.pipeline import sharded
 from dynmo_lightning.pipeline.safe_load import CheckpointRefused
 
-#: Environment variables Lightning's process launcher sets for the ranks it starts.
-_LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+#: Accelerators that mean a GPU (``trainer.accelerator``).
+_GPU = ("gpu", "cuda")
 
 #: The Hydra config groups, shipped inside the package (``conf/`` at the top of the repository links here).
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -60,6 +61,20 @@ def build_callbacks(cfg: DictConfig) -> list[Any]:
     return callbacks
 
 
+def trainer_precision(precision: str | int | None, accelerator: Any) -> str | int:
+    """``trainer.precision``, where unset (``null``) means ``bf16-mixed`` on a GPU and ``32-true`` elsewhere.
+
+    A GPU is ``trainer.accelerator=gpu`` (or ``cuda``), or ``auto`` on a machine with CUDA. bf16 autocast is the
+    mixed precision DynMoStrategy supports (``16-mixed`` needs a gradient scaler inside the pipeline schedule);
+    fp32 on a GPU (``trainer.precision=32-true``) runs without TF32 unless asked for (``docs/gpu.md``).
+    """
+    if precision is not None:
+        return precision
+    name = str(accelerator).lower()
+    gpu = name in _GPU or (name == "auto" and torch.cuda.is_available())
+    return "bf16-mixed" if gpu else "32-true"
+
+
 def build_trainer(cfg: DictConfig, callbacks: list[Any] | None = None) -> L.Trainer:
     """Instantiate the Trainer of a config with the strategy, loggers and standard callbacks."""
     run_dir = cfg.run_dir
@@ -77,8 +92,12 @@ def build_trainer(cfg: DictConfig, callbacks: list[Any] | None = None) -> L.Trai
     all_callbacks = [RunSummary(run_dir), checkpoint, *(callbacks or [])]
     if loggers:
         all_callbacks.append(LearningRateMonitor(logging_interval="step"))
+    precision = trainer_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator", "auto"))
+    if cfg.trainer.get("precision") is None:
+        rank_zero_info(f"dynmo-train: trainer.precision is unset: training in {precision} (on GPUs bf16-mixed)")
     return instantiate(
         cfg.trainer,
+        precision=precision,
         strategy=instantiate(cfg.strategy),
         callbacks=all_callbacks,
         logger=loggers or False,
@@ -104,20 +123,8 @@ def run(cfg: DictConfig) -> float | None:
 def _train_main(cfg: DictConfig) -> float | None:
     _pin_multirun_job()
     OmegaConf.resolve(cfg)
-    env = {k: os.environ.get(k) for k in _LAUNCHER_ENV}
-    try:
+    with fresh_world():  # the next job of a multirun starts a world of its own in this same process
         return run(cfg)
-    finally:
-        # The next job of a multirun starts a new world in this same process: drop this job's process group and the
-        # variables Lightning's launcher exported (with LOCAL_RANK set, it would think the next job's ranks were
-        # started externally and wait for them).
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def train() -> None:

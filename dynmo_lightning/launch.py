@@ -1,20 +1,25 @@
-"""Start several processes as the ranks of one job on this machine (what torchrun does, minus the agent).
+"""Processes as the ranks of one job on this machine (torchrun minus the agent); a world of its own per Trainer call.
 
 Used by ``dynmo-bench`` (and the tests) to run many configurations in one set of processes: importing Lightning
-costs seconds per process, so a launch runs a list of cases back to back in the same world.
+costs seconds per process, so a launch runs a list of cases back to back, each in a fresh world
+(:func:`fresh_world`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dynmo_lightning.pipeline.groups import open_store
+import torch
+import torch.distributed as dist
+
+from dynmo_lightning.pipeline.groups import host_stores, open_store
 
 #: Variables that describe a distributed job; a launch sets its own, never inherits a parent job's.
 DIST_ENV = (
@@ -28,8 +33,25 @@ DIST_ENV = (
     "TORCHELASTIC_USE_AGENT_STORE",
 )
 
+#: What a Trainer call leaves in the environment of its process: the variables Lightning's launcher and
+#: ``_init_dist_connection`` export (rendezvous, ranks), ``seed_everything``'s (``PL_*``), the thread count and cuBLAS
+#: workspace Lightning sets when they are unset, and those a world change of the strategy sets (``WorldView``).
+FIT_ENV = (
+    *DIST_ENV,
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+    "OMP_NUM_THREADS",
+    "CUBLAS_WORKSPACE_CONFIG",
+)
+
 #: How long the launcher's rendezvous store waits for a rank.
 _STORE_TIMEOUT = timedelta(minutes=5)
+
+#: The rendezvous store of the next world, opened by rank 0 when a world of processes that go on together ended
+#: (:func:`fresh_world`); kept open until that world ends too.
+_next_store: dist.TCPStore | None = None
 
 
 class LocalJob(list):
@@ -103,3 +125,70 @@ def run_ranks(
     if poll is not None:
         poll()
     return [None if timed_out else p.returncode for p in procs]
+
+
+@contextlib.contextmanager
+def fresh_world() -> Iterator[None]:
+    """Run one Trainer call (``fit``, ``validate``, ...) in a world of its own.
+
+    Lightning's ``_init_dist_connection`` returns early when a process group exists, and nothing destroys it after
+    ``fit``: a second Trainer in the same process would inherit the first one's world, its backend (NCCL or gloo)
+    and its devices included. On exit this ends the default process group, if any, and puts the variables of
+    :data:`FIT_ENV` back as they were on entry (with ``LOCAL_RANK`` left behind, the next Trainer would take its
+    process for one started from outside and wait for ranks nobody starts).
+
+    Processes started from outside (torchrun, :func:`start_ranks`) go on together into the next world. Its
+    rendezvous cannot reuse the launcher's store, which still holds the old world's keys (the new default group
+    would read them and connect to closed ports), so on a normal exit of a world of several processes rank 0 opens
+    a new store and every process points ``MASTER_PORT`` at it (all of them join it as clients, as under torchrun's
+    agent). Every process of the world must use this context around the same calls.
+    """
+    saved = {k: os.environ.get(k) for k in FIT_ENV}
+    external = "LOCAL_RANK" in os.environ  # started from outside: its ranks go on together
+    try:
+        yield
+    except BaseException:
+        _end_world(saved)  # the other processes may be anywhere: no collective now
+        raise
+    store, env = None, {}
+    if dist.is_initialized() and (dist.get_world_size() > 1 or external):
+        store, env = _next_rendezvous()  # every process of the world takes part, whoever started it
+    if not external:  # it started its world's processes itself: the next call starts new ones
+        store, env = None, {}
+    _end_world(saved, env, store)
+
+
+def _next_rendezvous() -> tuple[dist.TCPStore | None, dict[str, str]]:
+    """Open the next world's store on rank 0 of the current one (collective); the variables that lead to it."""
+    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    stores, ports = host_stores(1, address, _STORE_TIMEOUT)
+    return stores[0], {"MASTER_ADDR": address, "MASTER_PORT": str(ports[0]), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def _end_world(saved: dict[str, str | None], env: dict[str, str] | None = None, store: Any = None) -> None:
+    """Destroy the default process group; restore the environment, pointed at the next world's store if any."""
+    global _next_store
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _next_store = store  # the store the ended world met at (if this process hosted one) closes now
+    for key, value in {**saved, **(env or {})}.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def backend_device(backend: str | None = None) -> torch.device:
+    """The device the tensors a process sends over ``backend`` must live on.
+
+    NCCL sends from this process's GPU (``torch.cuda.current_device()``, which Lightning sets to the rank's device);
+    gloo, the other backend of a CPU build, sends CPU tensors only. A per-device backend such as
+    ``"cpu:gloo,cuda:nccl"`` counts as NCCL: a pipeline's activations travel on the GPU.
+
+    Args:
+        backend: a process group backend; by default the default process group's.
+    """
+    name = str(backend if backend is not None else dist.get_backend())
+    if "nccl" in name:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,12 +1,15 @@
-"""Shared pieces of the example benchmarks: one timed training run under DynMoStrategy, in the current world.
+"""Shared pieces of the example benchmarks: one timed training run under DynMoStrategy, in a world of its own.
 
-Benchmarks run under ``torchrun`` so that every Trainer of an invocation reuses the same processes and process group
-(policies then alternate A B A B in one invocation and machine drift cancels).
+Benchmarks run under ``torchrun`` so that every Trainer of an invocation reuses the same processes (policies then
+alternate A B A B in one invocation and machine drift cancels); each Trainer trains in a fresh world
+(``dynmo_lightning.launch.fresh_world``), which is up while the caller measures more inside ``with fit(...)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as L
@@ -14,6 +17,7 @@ import lightning.pytorch as L
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.bench.real import Window
 from dynmo_lightning.data import StdlibCharDataModule
+from dynmo_lightning.launch import fresh_world
 from dynmo_lightning.models import GPT
 
 
@@ -22,6 +26,7 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+@contextlib.contextmanager
 def fit(
     model: dict[str, Any],
     data: dict[str, Any],
@@ -31,22 +36,26 @@ def fit(
     measure_from: int,
     microbatches: int = 4,
     schedule: str = "1f1b",
-) -> tuple[L.Trainer, float]:
-    """Train a GPT for ``steps`` steps; returns the trainer and tokens/s measured from ``measure_from`` on."""
-    L.seed_everything(0)
-    timer = Window(measure_from)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size(),
-        max_steps=steps,
-        strategy=DynMoStrategy(n_microbatches=microbatches, schedule=schedule),
-        callbacks=[timer, *callbacks],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
-    datamodule = StdlibCharDataModule(max_bytes=2_000_000, **data)
-    trainer.fit(GPT(**model), datamodule=datamodule)
-    return trainer, timer.steps * datamodule.tokens_per_batch / timer.seconds
+) -> Iterator[tuple[L.Trainer, float]]:
+    """Train a GPT for ``steps`` steps in a fresh world; yields the trainer and tokens/s measured from ``measure_from``.
+
+    The world (process group) is up inside the ``with`` block and ends when it does.
+    """
+    with fresh_world():
+        L.seed_everything(0)
+        timer = Window(measure_from)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world_size(),
+            max_steps=steps,
+            strategy=DynMoStrategy(n_microbatches=microbatches, schedule=schedule),
+            callbacks=[timer, *callbacks],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
+        datamodule = StdlibCharDataModule(max_bytes=2_000_000, **data)
+        trainer.fit(GPT(**model), datamodule=datamodule)
+        yield trainer, timer.steps * datamodule.tokens_per_batch / timer.seconds

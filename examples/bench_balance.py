@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import AbstractContextManager
 
 import lightning.pytorch as L
 import torch
@@ -36,7 +37,7 @@ class AlwaysProfile(L.Callback):
         trainer.strategy.profile_results()
 
 
-def run(args, callbacks: list[L.Callback]) -> tuple[L.Trainer, float]:
+def run(args, callbacks: list[L.Callback]) -> AbstractContextManager[tuple[L.Trainer, float]]:
     model = {"n_layer": len(RATIOS), "n_embd": args.hidden, "n_head": 4, "block_size": args.block, "mlp_ratio": RATIOS}
     data = {"block_size": args.block, "batch_size": args.batch}
     return fit(model, data, callbacks, steps=args.steps, measure_from=args.measure_from, microbatches=args.microbatches)
@@ -103,15 +104,19 @@ def main() -> None:
     args = parser.parse_args()
 
     results: dict[str, list[float]] = {"static": [], "balanced": [], "profiled_static": []}
-    ideal, partitions, trainer = None, None, None
-    for _ in range(args.repeats):
-        results["static"].append(run(args, [])[1])
+    ideal, partitions, migration = None, None, {}
+    for repeat in range(args.repeats):
+        with run(args, []) as (_, tps):
+            results["static"].append(tps)
         balancer = DynMoBalancer(every_n_steps=10, warmup_steps=3, min_gain=0.02)
-        trainer, tps = run(args, [balancer])
-        results["balanced"].append(tps)
-        results["profiled_static"].append(run(args, [AlwaysProfile()])[1])
+        with run(args, [balancer]) as (trainer, tps):
+            results["balanced"].append(tps)
+            partitions = trainer.strategy.partitions
+            if repeat == args.repeats - 1:  # moves layers, in the balanced run's world
+                migration = migration_speed(trainer, repeats=6)
+        with run(args, [AlwaysProfile()]) as (_, tps):
+            results["profiled_static"].append(tps)
         ideal = ideal_ratio(balancer.tracker.values, 2, args.microbatches, 0.0)
-        partitions = trainer.strategy.partitions
     mean = {k: sum(v) / len(v) for k, v in results.items()}
     overhead = 100 * (mean["static"] / mean["profiled_static"] - 1)
     report = {
@@ -122,13 +127,13 @@ def main() -> None:
         "partitions": partitions,
         "profiled_step_overhead_pct": overhead,
         # DynMoBalancer() profiles one step in every_n_steps // 5 = 10 by default
-        "profiling_overhead_at_default_sampling_pct": overhead / DynMoBalancer().profile_every_n_steps,
-        **migration_speed(trainer, repeats=6),
+        "profiling_overhead_at_default_sampling_pct": overhead / DynMoBalancer().policy.profile_every_n_steps,
+        **migration,
         **planning_time(),
         "config": vars(args),
         "raw": results,
     }
-    if dist.get_rank() == 0:
+    if trainer.is_global_zero:
         print(json.dumps(report, indent=2))
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

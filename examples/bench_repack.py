@@ -15,7 +15,6 @@ import json
 import time
 
 import lightning.pytorch as L
-import torch.distributed as dist
 from _bench import fit
 
 from dynmo_lightning import DynMoBalancer
@@ -79,11 +78,11 @@ def main() -> None:
             ),
             log,
         ]
-        fit(model, data, callbacks, steps=args.steps, measure_from=1, microbatches=4)
-        report[name] = summarize(log, args.batch * args.block, skip=1)
-        if dist.get_rank() == 0:
+        with fit(model, data, callbacks, steps=args.steps, measure_from=1, microbatches=4) as (trainer, _):
+            report[name] = summarize(log, args.batch * args.block, skip=1)
+        if trainer.is_global_zero:
             print(name, json.dumps(report[name]), flush=True)
-    if dist.get_rank() == 0:
+    if trainer.is_global_zero:
         report["rank_seconds_saved"] = (
             1 - report["balanced+repack"]["rank_seconds"] / report["balanced"]["rank_seconds"]
         )

@@ -73,7 +73,7 @@ def main() -> None:
     report = {"world_size": world_size(), "config": vars(args)}
     for schedule in ("1f1b", "gpipe"):
         measure = Measure(args.skip)
-        fit(
+        with fit(
             model,
             data,
             [measure],
@@ -81,9 +81,9 @@ def main() -> None:
             measure_from=args.skip,
             microbatches=args.microbatches,
             schedule=schedule,
-        )
-        mb = args.batch // args.microbatches
-        p2p = hop_seconds(mb * args.block * args.hidden)
+        ) as (trainer, _):
+            mb = args.batch // args.microbatches
+            p2p = hop_seconds(mb * args.block * args.hidden)
         measured, simulated = [], []
         for costs, split, seconds in measure.steps:
             fwd = [costs[i]["fwd"] for i in range(len(costs))]
@@ -98,13 +98,13 @@ def main() -> None:
             "p2p_s": p2p,
             "steps": len(measured),
         }
-        if dist.get_rank() == 0:
+        if trainer.is_global_zero:
             print(
                 f"P={world_size()} {schedule}: measured {m * 1e3:.1f} ms, simulated {s * 1e3:.1f} ms, "
                 f"error {100 * (s - m) / m:+.1f}%",
                 flush=True,
             )
-    if dist.get_rank() == 0:
+    if trainer.is_global_zero:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
 

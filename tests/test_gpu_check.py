@@ -1,36 +1,175 @@
-"""The prepared GPU check runs end to end on CPU (the same code path it takes on a GPU) and writes its summary."""
+"""The prepared GPU check runs end to end on CPU (the same code path it takes on a GPU) where Hydra is not installed,
+as on the GPU machine; its per-dynamic path runs twice in one process; a synchronisation's site names our line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from dynmo_lightning.launch import clean_env
+from dynmo_lightning.callbacks import HostSyncCounter
+from dynmo_lightning.launch import FIT_ENV, clean_env
+from dynmo_lightning.protocol import read_once
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "gpu_check.py"
 
+#: A ``sitecustomize`` that makes hydra and omegaconf look not installed: no import, no spec, no metadata (Lightning
+#: asks all three before it uses them).
+HIDE_HYDRA = """
+import importlib.abc, importlib.metadata, sys
+
+class _NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("hydra", "omegaconf"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NotInstalled())
+_from_name = importlib.metadata.Distribution.from_name.__func__
+
+def _hidden(cls, name):
+    if name.lower().replace("_", "-") in ("hydra-core", "omegaconf"):
+        raise importlib.metadata.PackageNotFoundError(name)
+    return _from_name(cls, name)
+
+importlib.metadata.Distribution.from_name = classmethod(_hidden)
+"""
+
+
+#: Whether hydra imports, omegaconf has a spec, hydra-core has metadata (each must be gone).
+PROBE = """
+import importlib.metadata as m, importlib.util as u
+
+def gone(ask):
+    try:
+        ask()
+    except (ImportError, m.PackageNotFoundError):
+        return True
+    return False
+
+print(gone(lambda: __import__("hydra")), gone(lambda: u.find_spec("omegaconf")), gone(lambda: m.version("hydra-core")))
+"""
+
+
+def _without_hydra(tmp_path: Path) -> dict[str, str]:
+    site = tmp_path / "no_hydra"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HIDE_HYDRA)
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
+    return env
+
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_gpu_check_on_cpu(tmp_path):
+@pytest.mark.timeout(300)
+def test_gpu_check_on_cpu_without_hydra(tmp_path):
+    env = _without_hydra(tmp_path)
+    hidden = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert hidden.stdout.split() == ["True"] * 3, hidden.stdout + hidden.stderr
     out = tmp_path / "gpu_check.json"
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--steps", "5", "--dynamics",
-           "none,early_exit", "--pipeline", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=560, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--steps", "4", "--dynamics", "none,early_exit",
+           "--pipeline", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     summary = json.loads(out.read_text())
-    assert summary["device"] == "cpu" and set(summary["dynamics"]) == {"none", "early_exit"}
-    for entry in summary["dynamics"].values():
-        assert 0 < entry["of_which_optimizer_step"] <= entry["syncs_per_step"] and math_finite(entry["final_loss"])
-        # the profiler comparison is reported (its value is a measurement: the summary's business, not a verdict)
-        assert set(entry["profiler"]) == {"layers_s", "step_wall_s", "torch_profiler_s", "layers_share_of_step"}
-    assert summary["pipeline_p2"] == {"ok": True, "max_rel_loss_diff_vs_p1": pytest.approx(0.0, abs=1e-5)}
-    assert summary["layer_costs"]["block"]["trainable"]["fwd"] > 0
+    s = summary["sections"]
+    assert summary["ok"] and summary["device"] == "cpu" and "dynamics.early_exit" in s
+    assert s["refuses_16_mixed"]["refused"] and "bf16-mixed" in s["refuses_16_mixed"]["message"]
+    assert s["device_vs_cpu"]["max_rel_diff"] == 0.0  # CPU against CPU: the same numbers
+    assert 0 < s["bf16_vs_fp32"]["max_rel_diff"] <= s["bf16_vs_fp32"]["tolerance"]  # bf16 did run
+    for name in ("dynamics.none", "dynamics.early_exit"):
+        entry = s[name]
+        assert all(
+            0 < o <= n for o, n in zip(entry["of_which_optimizer_step"], entry["host_syncs_per_step"], strict=True)
+        )
+        assert len(entry["host_syncs_per_step"]) == 3 and entry["cuda_syncs_per_step"] == [0, 0, 0]
+    assert s["profile"]["layers"] == 6 and s["profile"]["layers_s"] > 0  # embedding, 4 blocks, head
+    assert s["migration"]["fused"]["identical"] and s["migration"]["foreach"]["state_arrived"]
+    assert s["hf_pruning"]["pruned"] and s["checkpoint"]["sharded"] and s["checkpoint"]["max_rel_diff"] == 0.0
+    assert s["layer_costs"]["table"]["block"]["trainable"]["fwd"] > 0
+    p2 = s["pipeline_p2"]
+    assert [len(p["layers_per_stage"]) for p in p2["partitions"]] == [2, 2, 1] and p2["world_size_end"] == 1
+    assert p2["max_rel_loss_diff_vs_p1"] <= 1e-6
 
 
-def math_finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
+def _gpu_check(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(120)
+def test_a_dynamic_runs_twice_in_one_process_each_time_in_a_world_of_its_own(monkeypatch):
+    gpu_check = _gpu_check(monkeypatch)
+    inits: list[str] = []
+    init = dist.init_process_group
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: (inits.append(backend), init(backend, **kw)))
+    before = {k: os.environ.get(k) for k in FIT_ENV}
+    results = []
+    for _ in range(2):
+        check = gpu_check.Check(gpu_check.Device("cpu"), steps=3, quick=True)
+        results.append(gpu_check.dynamic_syncs(check, "early_exit"))
+        assert not dist.is_initialized() and {k: os.environ.get(k) for k in FIT_ENV} == before
+    assert inits == ["gloo", "gloo"]  # the second run started its own world, not the first one's
+    assert results[0] == results[1] and results[0]["ok"]
+
+
+def test_a_synchronisation_is_reported_at_the_line_that_led_to_it(monkeypatch):
+    gpu_check = _gpu_check(monkeypatch)
+    tolist = torch.Tensor.tolist
+
+    def synchronising(t: torch.Tensor) -> list:
+        # What CUDA's sync debug mode does: a warning from the op, attributed to the Python line that called it.
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=2)
+        return tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", synchronising)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)  # a CPU build has no debug mode
+    shown = warnings._showwarnmsg
+    counter, sites = HostSyncCounter(cuda=True), gpu_check.SyncSites()
+    with counter.patched():  # its wrapper of Tensor.tolist sits between our line and the op
+        sites.on_train_start(None, None)
+        counter.on_train_batch_start(None, None, None, 0)  # the counter opens the step's window first
+        sites.on_train_batch_start(None, None, None, 0)
+        read_once([torch.tensor(1.0), torch.tensor(2.0)])
+        counter.on_train_end(None, None)
+        sites.on_train_end(None, None)
+    assert counter.counts == [2]  # one host read and the synchronisation it caused, as the counter counts them
+    ((site, n),) = sites.steps[0].items()
+    # issued at read_once's line (the counter's wrapper skipped), which is also our innermost frame
+    assert n == 1 and re.fullmatch(
+        r"dynmo_lightning/protocol.py:(\d+) <- dynmo_lightning/protocol.py:\1 \(read_once\)", site
+    )
+    assert warnings._showwarnmsg is shown  # unwrapped after the fit
+
+
+def test_on_a_gpu_the_profilers_device_time_is_its_kernels_time(monkeypatch):
+    gpu_check = _gpu_check(monkeypatch)
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    class Event:
+        def __init__(self, device_type, device_us, cpu_us):
+            self.device_type, self.self_device_time_total, self.self_cpu_time_total = device_type, device_us, cpu_us
+
+    class Profile:  # an op (whose self device time is its kernels') and its two kernels
+        def key_averages(self):
+            return [Event(cpu, 300.0, 50.0), Event(cuda, 100.0, 0.0), Event(cuda, 200.0, 0.0)]
+
+    gpu, host = gpu_check.Device("cuda"), gpu_check.Device("cpu")
+    assert gpu.profiled_seconds(Profile()) == pytest.approx(300e-6)  # each kernel once, not again through its op
+    assert host.profiled_seconds(Profile()) == pytest.approx(50e-6)
+    assert (gpu.accelerator, host.accelerator) == ("gpu", "cpu")
+    assert torch.profiler.ProfilerActivity.CUDA in gpu.profiler_activities()
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")  # TF32 allowed: wider tolerances
+    assert (gpu.matmul_precision(), host.matmul_precision()) == ("tf32", "highest")

@@ -55,3 +55,7 @@ def test_wheel_installed_in_a_fresh_environment_trains_from_any_directory(tmp_pa
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     summary = json.loads((elsewhere / "run" / "summary.json").read_text())
     assert summary["steps"] == 2 and os.path.exists(elsewhere / "run" / "checkpoints" / "final.ckpt")
+    # dynmo-bench's entry point (its Hydra module) and the benchmark config it ships
+    bench = subprocess.run([str(venv / "bin" / "dynmo-bench"), "--help"], env=env, cwd=elsewhere, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    assert bench.returncode == 0 and "layer_costs:" in bench.stdout, (bench.stdout + bench.stderr)[-3000:]

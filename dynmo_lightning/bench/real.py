@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -32,7 +31,9 @@ from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.balance import partition
 from dynmo_lightning.callbacks import GradualPruning, LayerFreezing, TokenEarlyExit
 from dynmo_lightning.data import StdlibCharDataModule
+from dynmo_lightning.launch import backend_device, fresh_world
 from dynmo_lightning.models import GPT
+from dynmo_lightning.profiling import _Clock
 from dynmo_lightning.sim import simulate_layers
 
 
@@ -185,13 +186,19 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure_p2p(size_bytes: int, repeats: int = 20) -> dict[str, float]:
-    """Latency and bandwidth of one point-to-point transfer between ranks 0 and 1 (collective over the job)."""
-    rank = dist.get_rank()
+    """Latency and bandwidth of one point-to-point transfer between ranks 0 and 1 (collective over the job).
+
+    The tensors live where the job's backend sends from (:func:`~dynmo_lightning.launch.backend_device`: the rank's
+    GPU under NCCL, the CPU under gloo), and the clock is the device's: NCCL's transfers are asynchronous to the
+    host, so on a GPU CUDA events recorded around them are read after a synchronisation, never the host clock alone.
+    """
+    rank, device = dist.get_rank(), backend_device()
+    clock = _Clock(device)
     results = {}
     for name, n in (("latency", 1), ("bandwidth", size_bytes // 4)):
-        t = torch.zeros(n)
+        t = torch.zeros(n, device=device)
         dist.barrier()
-        t0 = time.perf_counter()
+        start = clock.now()
         for _ in range(repeats):
             if rank == 0:
                 dist.send(t, 1)
@@ -199,7 +206,9 @@ def measure_p2p(size_bytes: int, repeats: int = 20) -> dict[str, float]:
             elif rank == 1:
                 dist.recv(t, 0)
                 dist.send(t, 0)
-        one_way = (time.perf_counter() - t0) / (2 * repeats)
+        end = clock.now()
+        clock.sync()
+        one_way = clock.elapsed(start, end) / (2 * repeats)
         results[name] = one_way if name == "latency" else n * 4 / one_way
     return {"p2p_latency_s": results["latency"], "p2p_bytes_per_s": results["bandwidth"], "p2p_bytes": size_bytes}
 
@@ -207,12 +216,13 @@ def measure_p2p(size_bytes: int, repeats: int = 20) -> dict[str, float]:
 def worker(spec_path: str) -> None:
     """Run the cases of ``spec_path`` in this rank; rank 0 writes each case's result file.
 
-    After the first case, the ranks measure their link (``spec["link"]``: the activation bytes of one transfer).
+    Every case trains in a world of its own (:func:`~dynmo_lightning.launch.fresh_world`: the next case meets at a
+    store the last one's rank 0 opened). After the first case, the ranks measure their link (``spec["link"]``: the
+    activation bytes of one transfer).
     """
     spec = json.loads(Path(spec_path).read_text())
-    for index, (case, port) in enumerate(zip(spec["cases"], spec["ports"], strict=True)):
-        os.environ["MASTER_PORT"] = str(port)  # every case starts a fresh world (the launcher hosts its store)
-        try:
+    for index, case in enumerate(spec["cases"]):
+        with fresh_world():
             result = run_case(case)
             if dist.get_rank() == 0:
                 Path(case["result"]).write_text(json.dumps(result))
@@ -220,9 +230,6 @@ def worker(spec_path: str) -> None:
                 link = measure_p2p(spec["link"]["bytes"])
                 if dist.get_rank() == 0:
                     Path(spec["link"]["result"]).write_text(json.dumps(link))
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
 
 
 def interval95(values: list[float]) -> tuple[float, float, float]:

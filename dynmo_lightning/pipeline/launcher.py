@@ -11,7 +11,7 @@ joins the job. The checks here are also what the strategy runs in set-up, so bot
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -82,8 +82,34 @@ def check_trainer(trainer: pl.Trainer, module: pl.LightningModule, precision: Pr
         )
     if isinstance(precision, MixedPrecision) and precision.scaler is not None:
         raise ValueError(
-            "precision='16-mixed' needs gradient scaling inside the pipeline schedule, which DynMoStrategy does "
-            "not do; use precision='bf16-mixed' (or '32-true')."
+            "Trainer(precision='16-mixed') is not supported by DynMoStrategy: fp16 needs gradient scaling inside the "
+            "pipeline schedule, which it does not do. bf16-mixed is the supported mixed precision: use "
+            "precision='bf16-mixed' (dynmo-train: trainer.precision=bf16-mixed, the default on GPUs), or '32-true'."
+        )
+
+
+def check_backend(backend: str | None, devices: Sequence[torch.device]) -> None:
+    """Refuse a process group backend that cannot carry the devices' tensors: gloo for CUDA devices.
+
+    Stages send activations and gradients from their device; gloo sends CPU tensors only, so a GPU pipeline over
+    gloo would fail at its first transfer, after every worker started.
+
+    Args:
+        backend: ``DynMoStrategy(process_group_backend=...)`` (``None``: chosen per device, NCCL for GPUs).
+        devices: the job's devices on this node.
+
+    Raises:
+        ValueError: the backend cannot send the devices' tensors; the message names the setting and the fix.
+    """
+    if backend is None or not any(d.type == "cuda" for d in devices):
+        return
+    for_cuda = dict(part.split(":", 1) for part in backend.split(",")).get("cuda") if ":" in backend else backend
+    if for_cuda == "gloo":
+        raise ValueError(
+            f"strategy.process_group_backend={backend!r} cannot run a pipeline on CUDA devices: gloo sends CPU "
+            "tensors only, and the stages send activations and gradients from their GPU. Leave "
+            "process_group_backend unset (NCCL is chosen for GPUs) or set it to 'nccl'; to use gloo, train on CPU "
+            "(trainer.accelerator=cpu)."
         )
 
 
@@ -136,7 +162,7 @@ def check_batch_sizes(args: Iterable[Any], n_microbatches: int, n_parts: int = 1
 
 
 def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
-    """What the launching process can check of a job: Trainer settings, replicas, stages, schedule, batch sizes.
+    """What the launching process can check of a job: Trainer settings, backend, replicas, stages, batch sizes.
 
     Args:
         strategy: the ``DynMoStrategy`` (its settings are read here).
@@ -149,6 +175,7 @@ def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
     module = call_args[0] if call_args else None
     world_size = strategy.num_nodes * strategy.num_processes
     check_world(world_size, strategy.data_parallel_size)
+    check_backend(strategy._process_group_backend, strategy.parallel_devices or [])
     if isinstance(module, pl.LightningModule):
         check_model(module)
         check_trainer(trainer, module, strategy.precision_plugin.inner)

@@ -1,0 +1,242 @@
+"""``dynmo-bench``: the five parts of the benchmark run from the Hydra config ``conf/bench/config.yaml``.
+
+See :mod:`dynmo_lightning.bench` for what each part measures and writes. This module is the only one of the benchmark
+that needs Hydra; ``python -m dynmo_lightning.bench`` and the console script ``dynmo-bench`` start :func:`main`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from dynmo_lightning.bench import layer_costs, read_json, real, scale, timeline, write_json
+from dynmo_lightning.bench.scale import SEED
+from dynmo_lightning.launch import clean_env, run_ranks
+from dynmo_lightning.sim import save_trace
+
+#: The benchmark's Hydra config directory (``conf/bench``, shipped inside the package).
+_CONF = Path(__file__).resolve().parent.parent / "conf" / "bench"
+
+DYNAMICS = ("freezing", "pruning", "early_exit", "mod", "moe", "sparse_attention")
+PARTS = ("layer_costs", "timelines", "real", "scale", "report")
+
+
+class Progress:
+    """Which case, how far, and the time left (linear extrapolation)."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total, self.done, self.what, self.t0 = total, 0, what, time.perf_counter()
+
+    def step(self, name: str) -> None:
+        """Report one finished case."""
+        self.done += 1
+        elapsed = time.perf_counter() - self.t0
+        left = elapsed / self.done * (self.total - self.done)
+        line = f"[dynmo-bench] {self.what} {self.done}/{self.total} {name}  {elapsed:.0f}s, ~{left:.0f}s left"
+        print(line, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def measure_layers(cfg: DictConfig, out: Path) -> None:
+    """Part 1: the layer cost tables."""
+    c = cfg.layer_costs
+    long_shape = {**c.shape, "seq": c.long_seq}
+    tables = (("layer_costs.json", c.shape, layer_costs.PARTS), ("layer_costs_long.json", long_shape, c.long_parts))
+    for name, shape, parts in tables:
+        if cfg.resume and (out / name).exists():
+            continue
+        t0 = time.perf_counter()
+        table = layer_costs.measure(
+            layer_costs.LayerShape(**shape),
+            parts=list(parts),
+            threads=c.threads,
+            min_run_time=c.min_run_time,
+            device=c.device,
+        )
+        table["seconds"] = time.perf_counter() - t0
+        write_json(out / name, table)
+
+
+def _timeline_path(out: Path, dynamic: str, strength: float | None) -> Path:
+    return out / "timelines" / f"{dynamic}-{strength if strength is not None else 'none'}.json.gz"
+
+
+def record_timelines(cfg: DictConfig, out: Path) -> None:
+    """Part 2: every dynamic at every strength of its sweep, and the run without dynamics (separate processes)."""
+    jobs = [("none", None)] + [(d, s) for d in cfg.dynamics for s in timeline.PRESETS[d].sweep]
+    jobs = [(d, s) for d, s in jobs if not (cfg.resume and _timeline_path(out, d, s).exists())]
+    progress = Progress(len(jobs), "timeline")
+    config = json.dumps(OmegaConf.to_container(cfg.timeline.model))
+
+    def one(job: tuple[str, float | None]) -> None:
+        dynamic, strength = job
+        path = _timeline_path(out, dynamic, strength)
+        cmd = [sys.executable, "-m", "dynmo_lightning.bench", "timeline", dynamic, str(strength), str(path), config]
+        log = out / "logs" / f"timeline-{dynamic}-{strength}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:
+            code = subprocess.run(cmd, env=clean_env(), stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+        if code != 0:
+            raise RuntimeError(f"timeline {dynamic} at {strength} failed (exit {code}); see {log}")
+        progress.step(f"{dynamic} {strength}")
+
+    with ThreadPoolExecutor(cfg.timeline.parallel) as pool:
+        list(pool.map(one, jobs))
+
+
+def real_runs(cfg: DictConfig, out: Path) -> None:
+    """Part 3: the A/B runs on ``real.world_size`` ranks, policies alternating within every repeat."""
+    r = cfg.real
+    cases = []
+    for repeat in range(r.repeats):
+        for dynamic in r.dynamics:
+            for policy in r.policies:
+                name = f"{dynamic}-{policy}-{repeat}"
+                cases.append(
+                    {
+                        "name": name, "dynamic": dynamic, "policy": policy, "repeat": repeat, "steps": r.steps,
+                        "measure_from": r.measure_from, "microbatches": r.microbatches, "world_size": r.world_size,
+                        "accelerator": r.accelerator, "model": OmegaConf.to_container(r.model),
+                        "data": OmegaConf.to_container(r.data), "balancer": OmegaConf.to_container(r.balancer),
+                        "result": str(out / "real" / f"{name}.json"),
+                    }
+                )  # fmt: skip
+    todo = [c for c in cases if not (cfg.resume and Path(c["result"]).exists())]
+    link = out / "real" / "link.json"
+    if todo:
+        (out / "real").mkdir(parents=True, exist_ok=True)
+        act = r.data.batch_size // r.microbatches * r.data.block_size * r.model.n_embd * 4
+        _launch(r.world_size, todo, out, r.timeout, {"bytes": act, "result": str(link)} if not link.exists() else None)
+    results = {c["name"]: read_json(Path(c["result"])) for c in cases}
+    summary = {"config": OmegaConf.to_container(r), "link": read_json(link), "cases": cases}
+    summary["rows"] = real.summarize(cases, results, summary["link"])
+    speeds = [v["migration_bytes_per_s"] for v in results.values() if "migration_bytes_per_s" in v]
+    summary["migration_bytes_per_s"] = speeds
+    write_json(out / "real.json", summary)
+
+
+def _launch(world_size: int, cases: list[dict[str, Any]], out: Path, timeout: float, link: dict | None) -> None:
+    """Run ``cases`` back to back in one set of ``world_size`` processes, reporting progress as results appear."""
+    spec = out / "real" / "spec.json"
+    spec.write_text(json.dumps({"cases": cases, "link": link}))
+    progress = Progress(len(cases), "real")
+
+    def poll() -> None:
+        for case in cases[progress.done :]:
+            if not Path(case["result"]).exists():
+                break
+            progress.step(case["name"])
+
+    argv = [sys.executable, "-m", "dynmo_lightning.bench", "worker", str(spec)]
+    codes = run_ranks(world_size, argv, log_dir=out / "logs", tag="real", timeout=timeout * len(cases), poll=poll)
+    if any(c != 0 for c in codes):
+        raise RuntimeError(f"benchmark processes failed (exit codes {codes}); see {out / 'logs'}/real.rank*.log")
+
+
+def simulate(cfg: DictConfig, out: Path) -> None:
+    """Part 4: realistic traces of the presets, replayed at scale; bandwidth and strength sweeps."""
+    tables = {
+        "short": layer_costs.CostTable(read_json(out / "layer_costs.json")),
+        "long": layer_costs.CostTable(read_json(out / "layer_costs_long.json")),
+    }
+    net = network(cfg, out)
+    result: dict[str, Any] = {"network": net.__dict__, "stages": list(cfg.scale.stages), "dynamics": {}}
+    none = read_json(_timeline_path(out, "none", None))
+    progress = Progress(len(cfg.dynamics) + 1, "scale")
+    for dynamic in ["none", *cfg.dynamics]:
+        preset = timeline.PRESETS.get(dynamic)
+        table = tables["long" if dynamic == "sparse_attention" else "short"]
+        strength = preset.preset if preset else None
+        preset_timeline = read_json(_timeline_path(out, dynamic, strength))
+        trace = timeline.realistic_trace(preset_timeline, table)
+        save_trace(trace, out / "traces" / f"{dynamic}.jsonl.gz")
+        val = preset_timeline["val_loss"]
+        entry: dict[str, Any] = {"strength": strength, "val_loss": val, "val_loss_none": none["val_loss"]}
+        kw = {"microbatches_per_stage": cfg.scale.microbatches_per_stage, "every_n_steps": cfg.scale.every_n_steps}
+        entry["by_stages"] = {str(p): scale.compare(trace, p, net, **kw) for p in cfg.scale.stages}
+        p, two = cfg.scale.sweep_stages, ("uniform", "optimal")
+        entry["bandwidth_sweep"] = [
+            {"bytes_per_s": bw, **_headline(scale.compare(trace, p, _with_bandwidth(net, bw), policies=two, **kw))}
+            for bw in cfg.scale.bandwidths
+        ]
+        if preset is not None:
+            entry["strength_sweep"] = []
+            for s in preset.sweep:
+                tl = preset_timeline if s == strength else read_json(_timeline_path(out, dynamic, s))
+                sweep_trace = trace if s == strength else timeline.realistic_trace(tl, table)
+                cmp = scale.compare(sweep_trace, p, net, policies=two, **kw)
+                entry["strength_sweep"].append({"strength": s, "val_loss": tl["val_loss"], **_headline(cmp)})
+            entry["seed_reached"] = scale.seed_reached(entry["strength_sweep"], SEED[dynamic])
+        result["dynamics"][dynamic] = entry
+        progress.step(dynamic)
+    write_json(out / "simulated.json", result)
+
+
+def _headline(cmp: dict[str, Any]) -> dict[str, float]:
+    return {
+        "oracle_speedup": cmp["oracle"]["speedup"],
+        "optimal_speedup": cmp["policies"]["optimal"]["speedup"],
+        "share_of_oracle": cmp["policies"]["optimal"]["share_of_oracle"],
+    }
+
+
+def _with_bandwidth(net: scale.Network, bandwidth: float) -> scale.Network:
+    return scale.Network(net.p2p_latency, net.p2p_bandwidth, bandwidth)
+
+
+def network(cfg: DictConfig, out: Path) -> scale.Network:
+    """The link measured by the real runs and the migration bandwidth their balancer measured (else the config)."""
+    summary = out / "real.json"
+    if summary.exists():
+        data = read_json(summary)
+        bw = data["migration_bytes_per_s"]
+        return scale.Network(
+            data["link"]["p2p_latency_s"], data["link"]["p2p_bytes_per_s"],
+            sum(bw) / len(bw) if bw else cfg.scale.migration_bytes_per_s,
+        )  # fmt: skip
+    return scale.Network(cfg.scale.p2p_latency_s, cfg.scale.p2p_bytes_per_s, cfg.scale.migration_bytes_per_s)
+
+
+@hydra.main(version_base="1.3", config_path=str(_CONF), config_name="config")
+def _bench_main(cfg: DictConfig) -> None:
+    out = Path(HydraConfig.get().runtime.output_dir)
+    unknown = (set(cfg.dynamics) - set(DYNAMICS)) | (set(cfg.parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"unknown dynamics/parts {sorted(unknown)}; valid: {list(DYNAMICS)} / {list(PARTS)}")
+    steps = {"layer_costs": measure_layers, "timelines": record_timelines, "real": real_runs, "scale": simulate}
+    for part in PARTS[:-1]:
+        if part in cfg.parts:
+            steps[part](cfg, out)
+    if "report" in cfg.parts:
+        from dynmo_lightning.bench.report import report_bench
+
+        written = report_bench(out)
+        print(f"[dynmo-bench] wrote {out / 'benchmarks.md'} and {len(written)} plots", flush=True)
+
+
+def main() -> None:
+    """Console script ``dynmo-bench`` (and the per-process entries ``worker`` and ``timeline``)."""
+    if len(sys.argv) > 2 and sys.argv[1] == "worker":
+        real.worker(sys.argv[2])
+    elif len(sys.argv) > 4 and sys.argv[1] == "timeline":
+        dynamic, strength, path = sys.argv[2], sys.argv[3], Path(sys.argv[4])
+        config = timeline.TimelineConfig(**json.loads(sys.argv[5])) if len(sys.argv) > 5 else timeline.TimelineConfig()
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        data = timeline.record(dynamic, None if strength == "None" else float(strength), config)
+        write_json(path, data)
+    else:
+        _bench_main()
+
+
+if __name__ == "__main__":
+    main()
