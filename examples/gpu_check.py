@@ -306,10 +306,10 @@ def dynamic_syncs(check: Check, dynamic: str) -> dict[str, Any]:
         "cuda_syncs_per_step": [sum(s.values()) for s in run.sites.steps[1:]],
         "cuda_sync_sites": _merged(run.sites.steps[1:]),
     }
-    dispatch = getattr(counter, "dispatch_counts", None)  # the counter's dispatch mode, once it has one
-    if dispatch is not None:
-        result["dispatch_counts"] = dispatch[1:]
-        result["dispatch_sites"] = _merged(getattr(counter, "dispatch_sites", [])[1:])
+    # Ours only (Lightning's and the optimizer's apart, each read once): what docs/host_syncs.md tabulates.
+    result["own_reads_per_step"] = counter.own_counts[1:]
+    result["dispatch_counts"] = counter.dispatch_counts[1:]
+    result["dispatch_sites"] = _merged(counter.dispatch_sites[1:])
     return result
 
 

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as L
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
@@ -34,6 +33,7 @@ from dynmo_lightning.callbacks import TokenEarlyExit
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.launch import run_ranks, start_ranks
 from dynmo_lightning.models import GPT
+from dynmo_lightning.pipeline.sharded import load_whole
 
 EPOCH = 100  # steps per epoch: checkpoints at epoch ends resume with the exact data order
 
@@ -138,7 +138,7 @@ def main() -> None:
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
     ckpt = base / "killed" / "ckpt" / "last.ckpt"
-    resumed_from = torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"]
+    resumed_from = load_whole(ckpt)["global_step"]  # a sharded directory with P > 1, a file with P = 1
     t0 = time.time()  # 3. resumed
     codes = run_ranks(
         args.world,
@@ -151,8 +151,8 @@ def main() -> None:
 
     full = json.loads((base / "full" / "losses.json").read_text())
     resumed = json.loads((base / "resumed" / "losses.json").read_text())
-    a = torch.load(base / "full" / "final.ckpt", map_location="cpu", weights_only=True)["state_dict"]
-    b = torch.load(base / "resumed" / "final.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    a = load_whole(base / "full" / "final.ckpt")["state_dict"]
+    b = load_whole(base / "resumed" / "final.ckpt")["state_dict"]
     report["resumed"]["losses_equal"] = resumed == full[resumed_from:]
     report["resumed"]["max_param_rel_diff"] = max(
         float((a[k].double() - b[k].double()).norm() / max(float(a[k].double().norm()), 1e-12)) for k in a

@@ -241,6 +241,11 @@ class HostSyncCounter(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
 
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # A failed fit must not leave CUDA's sync debug mode on and every later warning recorded away.
+        self._close()
+
     def _close(self) -> None:
         """End the step being counted (if any) and record its counts."""
         if not self._active:
