@@ -17,6 +17,7 @@ import hydra
 import lightning.pytorch as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
@@ -123,13 +124,27 @@ def run(cfg: DictConfig) -> float | None:
 def _train_main(cfg: DictConfig) -> float | None:
     _pin_multirun_job()
     OmegaConf.resolve(cfg)
-    with fresh_world():  # the next job of a multirun starts a world of its own in this same process
-        return run(cfg)
+    # A setting refused before training (a config that does not build, or one the launching process finds
+    # contradicting the job's size) is one line and exit status 2; other errors keep their traceback.
+    try:
+        with fresh_world():  # the next job of a multirun starts a world of its own in this same process
+            return run(cfg)
+    except InstantiationException as e:
+        raise SystemExit(_usage_error(str(e))) from None
+    except Exception as e:
+        if getattr(e, "refused_before_launch", False):
+            raise SystemExit(_usage_error(f"{type(e).__name__}: {e}")) from None
+        raise
 
 
 def train() -> None:
     """Console script ``dynmo-train``."""
     _train_main()
+
+
+def _usage_error(message: str) -> int:
+    print(f"dynmo-train: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

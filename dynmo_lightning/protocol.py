@@ -29,6 +29,7 @@ it imports none of them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -313,6 +314,36 @@ def all_gather(obj: Any, trainer: Any = None, *, replicas: bool = False) -> list
     layout = (control.replica_ranks if control is not None else None) or [list(range(len(out)))]
     by_replica = [[out[r] for r in ranks] for ranks in layout]
     return by_replica if replicas else by_replica[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobShape:
+    """What the launching process knows of a pipeline job before any worker starts (for :class:`PreLaunchCheck`).
+
+    Attributes:
+        world_size: processes of the job.
+        pp_size: processes of one pipeline.
+        stages_per_rank: pipeline stages per process.
+        layer_param_bytes: bytes of every pipeline layer's parameters (``None``: unknown without building the model).
+    """
+
+    world_size: int
+    pp_size: int
+    stages_per_rank: int
+    layer_param_bytes: list[int] | None
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages."""
+        return self.pp_size * self.stages_per_rank
+
+
+@runtime_checkable
+class PreLaunchCheck(Protocol):
+    """A callback whose settings can contradict the job's size: refused by the launching process, once, in one line."""
+
+    def pipeline_check_job(self, job: JobShape) -> None:
+        """Raise ``ValueError`` (naming the setting and the fix) if this callback cannot work in ``job``."""
 
 
 @runtime_checkable

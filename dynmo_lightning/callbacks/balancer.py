@@ -27,7 +27,7 @@ from dynmo_lightning.balance import CostTracker
 from dynmo_lightning.balance.policy import GROW, METHODS, MIGRATE, REPACK, BalancePolicy, Decision, PipelineShape
 from dynmo_lightning.pipeline.groups import ON_RELEASE
 from dynmo_lightning.pipeline.release import RELEASE_TO, ReleaseHandler, make_release_handler
-from dynmo_lightning.protocol import PipelineControl, pipeline_control
+from dynmo_lightning.protocol import JobShape, PipelineControl, pipeline_control
 
 __all__ = ["METHODS", "ON_RELEASE", "RELEASE_TO", "DynMoBalancer"]
 
@@ -148,14 +148,40 @@ class DynMoBalancer(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._bound = self._strategy(trainer)
-        if self.repack and self.min_world_size > self._bound.pp_size:
+        self._bound = control = self._strategy(trainer)
+        self.pipeline_check_job(JobShape(trainer.world_size, control.pp_size, control.stages_per_rank, None))
+
+    def pipeline_check_job(self, job: JobShape) -> None:
+        """Refuse settings the job's size contradicts (the launching process calls this before any worker starts).
+
+        Raises:
+            ValueError: ``min_world_size`` above the pipeline's processes, ``repack`` with several stages per rank,
+                a ``memory_capacity`` list of the wrong length or one that cannot hold the model's weights.
+        """
+        if self.repack and self.min_world_size > job.pp_size:
             raise ValueError(
-                f"balancer.min_world_size={self.min_world_size} > the pipeline's {self._bound.pp_size} processes: "
-                "lower it (or start more processes)"
+                f"balancer.min_world_size={self.min_world_size} > the pipeline's {job.pp_size} processes: lower it "
+                "(or start more processes)"
             )
-        if self.repack and self._bound.stages_per_rank != 1:
+        if self.repack and job.stages_per_rank != 1:
             raise ValueError("balancer.repack needs one stage per rank (strategy.stages_per_rank=1)")
+        capacity = self.policy.memory_capacity
+        if capacity is None:
+            return
+        caps = list(capacity) if isinstance(capacity, (list, tuple)) else [float(capacity)] * job.n_stages
+        if len(caps) != job.n_stages:
+            raise ValueError(
+                f"balancer.memory_capacity has {len(caps)} entries for the job's {job.n_stages} pipeline stages: "
+                "give one number (every stage) or one per stage"
+            )
+        sizes = job.layer_param_bytes
+        if sizes and (max(sizes) > max(caps) or sum(sizes) > sum(caps)):
+            raise ValueError(
+                f"balancer.memory_capacity={capacity} bytes cannot hold the model: its largest layer's weights "
+                f"alone are {max(sizes):,} bytes and all layers' {sum(sizes):,} bytes over {job.n_stages} stages "
+                "(gradients, optimizer state and activations come on top). Raise it, or set "
+                "balancer.memory_capacity=null to plan without memory."
+            )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -25,7 +25,7 @@ from typing_extensions import override
 from dynmo_lightning.pipeline.layout import check_batch
 from dynmo_lightning.pipeline.runtime import SCHEDULES
 from dynmo_lightning.pipeline.split import PARTITIONS, initial_partition
-from dynmo_lightning.protocol import ProtocolError, check_protocol
+from dynmo_lightning.protocol import JobShape, PreLaunchCheck, ProtocolError, check_protocol
 
 
 def check_arguments(
@@ -125,19 +125,21 @@ def check_model(module: Any) -> None:
         )
 
 
-def count_layers(module: pl.LightningModule) -> int | None:
-    """The number of pipeline layers of ``module``, without building its weights (``None`` when it cannot tell).
+def layer_param_bytes(module: pl.LightningModule) -> list[int] | None:
+    """Parameter bytes of every pipeline layer of ``module``, without building its weights (``None``: cannot tell).
 
     A module that creates its layers in ``configure_model`` has no parameters yet: a copy builds them on the meta
     device (the module itself stays untouched, so callbacks can still configure it before its layers exist).
     """
     try:
         if next(module.parameters(), None) is not None:
-            return len(check_protocol(module))
-        shell = copy.deepcopy(module)
-        with torch.device("meta"):
-            shell.configure_model()
-            return len(check_protocol(shell))
+            layers = check_protocol(module)
+        else:
+            shell = copy.deepcopy(module)
+            with torch.device("meta"):
+                shell.configure_model()
+                layers = check_protocol(shell)
+        return [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
     except Exception:
         return None  # the strategy checks the real module in set-up, on every process
 
@@ -162,7 +164,10 @@ def check_batch_sizes(args: Iterable[Any], n_microbatches: int, n_parts: int = 1
 
 
 def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
-    """What the launching process can check of a job: Trainer settings, backend, replicas, stages, batch sizes.
+    """What the launching process can check of a job, before any worker starts.
+
+    Trainer settings, backend, replicas, stages, batch sizes, and every callback's settings against the job's size
+    (:class:`~dynmo_lightning.protocol.PreLaunchCheck`).
 
     Args:
         strategy: the ``DynMoStrategy`` (its settings are read here).
@@ -176,20 +181,25 @@ def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
     world_size = strategy.num_nodes * strategy.num_processes
     check_world(world_size, strategy.data_parallel_size)
     check_backend(strategy._process_group_backend, strategy.parallel_devices or [])
+    pp_size, sizes = world_size // strategy.data_parallel_size, None
     if isinstance(module, pl.LightningModule):
         check_model(module)
         check_trainer(trainer, module, strategy.precision_plugin.inner)
-        n_layers = count_layers(module)
-        if n_layers is not None:
+        sizes = layer_param_bytes(module)
+        if sizes is not None:
             initial_partition(
                 strategy.partition,
-                [1] * n_layers,
-                pp_size=world_size // strategy.data_parallel_size,
+                [1] * len(sizes),
+                pp_size=pp_size,
                 stages_per_rank=strategy.stages_per_rank,
                 schedule=strategy.schedule,
                 n_microbatches=strategy.n_microbatches,
             )
     check_batch_sizes(call_args[1:], strategy.n_microbatches)
+    job = JobShape(world_size, pp_size, strategy.stages_per_rank, sizes)
+    for callback in trainer.callbacks:
+        if isinstance(callback, PreLaunchCheck):
+            callback.pipeline_check_job(job)
 
 
 class PipelineLauncher(_SubprocessScriptLauncher):
@@ -206,5 +216,9 @@ class PipelineLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None:
-            check_job(self._strategy, trainer, *args)
+            try:
+                check_job(self._strategy, trainer, *args)
+            except Exception as e:
+                e.refused_before_launch = True  # type: ignore[attr-defined]  # front ends report it in one line
+                raise
         return super().launch(function, *args, trainer=trainer, **kwargs)

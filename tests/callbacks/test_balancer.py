@@ -10,6 +10,7 @@ from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.balance import InfeasibleMemoryError, bottleneck, partition
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
+from dynmo_lightning.pipeline.launcher import layer_param_bytes
 from dynmo_lightning.pipeline.sharded import load_whole
 
 # a warm-up LR schedule runs too: migrations must leave the scheduler (bound to the same optimizer) intact
@@ -113,9 +114,14 @@ def test_bad_balancer_arguments(kwargs, match):
 
 
 @pytest.mark.timeout(300)
-def test_memory_capacity_no_partition_satisfies():
+@pytest.mark.parametrize("weights_fit", [True, False])
+def test_memory_capacity_no_partition_satisfies(weights_fit):
     model = GPT(n_layer=2, n_embd=32, n_head=4, block_size=32)
-    balancer = DynMoBalancer(every_n_steps=2, warmup_steps=0, memory_capacity=1000.0)
+    weights = sum(layer_param_bytes(model))
+    # Room for the weights but not for their gradients and Adam's state: found at the first check, on every process.
+    # Not even room for the weights: refused by the launching process, before any worker starts.
+    capacity = 1.2 * weights if weights_fit else 1000.0
+    balancer = DynMoBalancer(every_n_steps=2, warmup_steps=0, memory_capacity=capacity)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -128,7 +134,8 @@ def test_memory_capacity_no_partition_satisfies():
         limit_val_batches=0,
     )
     data = StdlibCharDataModule(block_size=32, batch_size=8, max_bytes=100_000)
-    with pytest.raises(InfeasibleMemoryError, match="capacity"):
+    error, match = (InfeasibleMemoryError, "capacity") if weights_fit else (ValueError, "cannot hold the model")
+    with pytest.raises(error, match=match):
         trainer.fit(model, datamodule=data)
 
 
