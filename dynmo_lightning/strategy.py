@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -53,6 +52,7 @@ from dynmo_lightning.pipeline.resize import ResizeMixin
 from dynmo_lightning.pipeline.runtime import StagePlan, first_dim
 from dynmo_lightning.pipeline.stages import LocalStages
 from dynmo_lightning.pipeline.watchdog import Watchdog
+from dynmo_lightning.profiling import DeviceClock
 from dynmo_lightning.protocol import split_batch
 
 
@@ -129,8 +129,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         self._shard_data: bool | None = None  # the Trainer's use_distributed_sampler (the strategy shards itself)
         #: Batch size the sampler delivered in the last training step (before a replica takes its part).
         self._batch_size: int | None = None
-        #: Wall time of the last training step's pipeline schedule (forward and backward of all micro-batches).
-        self.schedule_seconds = 0.0
+        self._schedule_span: tuple[DeviceClock, Any, Any] | None = None  # the last training step's schedule
         #: ``[{"step", "layers_per_stage"}]``: the initial partition and every change.
         self.partitions: list[dict[str, Any]] = []
         #: The job's processes across shrinks and grows: their nodes, stable ids, who waits to come back.
@@ -138,6 +137,11 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         self._device: torch.device | None = None  # pinned at start-up: a shrink renumbers local ranks, not devices
 
     # --- processes, devices and plugins ------------------------------------------------------------------------------
+    @property
+    def schedule_seconds(self) -> float:
+        """Device time of the last training step's schedule (all micro-batches; on GPU reading waits for them)."""
+        return self._schedule_span[0].elapsed(*self._schedule_span[1:]) if self._schedule_span else 0.0
+
     @property
     def is_distributed(self) -> bool:
         """Always true: Lightning then syncs logs and wraps dataloaders with a (pipeline-aware) sampler."""
@@ -363,13 +367,14 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         assert self._stages is not None and self.lightning_module is not None
         inputs, target = self._batch(args[0] if args else kwargs["batch"], train=True)
-        module, start = self.lightning_module, time.perf_counter()
+        module, clock = self.lightning_module, DeviceClock(self.root_device)
+        start = clock.now()
         params = [p for p in module.parameters() if p.requires_grad]
         step = module.trainer.global_step
         replicas = self._mesh.dp_group if self._mesh is not None else None
         with self._phase(f"training step {step} (pipeline schedule)"), self.precision_plugin.train_step_context():
             loss = self._stages.train(inputs, target, params, replicas)
-        self.schedule_seconds = time.perf_counter() - start
+        self._schedule_span = (clock, start, clock.now())
         if replicas is not None:
             with self._phase(f"training step {step} (loss and buffers over replicas)"):
                 self._stages.average_replicas(loss, replicas, self.dp_size)
