@@ -237,9 +237,9 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         return self._layout, self.dp_rank
 
     def _use_layout(self, layout: ReplicaLayout) -> None:
-        """Adopt ``layout`` in the current world (collective: every process makes every group)."""
+        """Adopt ``layout`` in the current world (collective; refuses a backend that cannot move this device's data)."""
         self._layout = layout
-        self._mesh = make_mesh(layout, self.global_rank, self._timeout, self.root_device.type)
+        self._mesh = make_mesh(layout, self.global_rank, self._timeout, self.root_device)
 
     # --- start-up ----------------------------------------------------------------------------------------------------
     @override
@@ -258,8 +258,8 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         kwargs = {"device_id": device} if device.type != "cpu" else {}
         fabric_dist._init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **kwargs)
         self._device = device
-        self.elastic.start(self.node_rank)
         self._use_layout(ReplicaLayout.even(self.world_size, self.data_parallel_size))
+        self.elastic.start(self.node_rank)
         self._start_watchdog(*groups.host_stores(1, self.cluster_environment.main_address, self._timeout))
 
     def _start_watchdog(self, stores: list[dist.TCPStore | None], ports: list[int]) -> None:
@@ -325,7 +325,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         self.setup_precision_plugin()
         order = self._stages.split.param_order
         self.precision_plugin.clip_by_norm = GlobalNormClipping(
-            order, self._stages.param_names, lambda: self._pipe, lambda: self.root_device
+            order, self._stages.param_names, lambda: self._pipe, lambda: self._pipe.device
         )
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -451,7 +451,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         """Whether every replica holds bit-identical parameters and persistent buffers (collective over the job)."""
         assert self.lightning_module is not None and self._mesh is not None
         state = self.lightning_module.state_dict()
-        return replicas_in_sync(state, self._mesh.dp_group, self.dp_size, self.root_device)
+        return replicas_in_sync(state, self._mesh.dp_group, self.dp_size, self._pipe.device)
 
     def param_norm(self) -> float:
         """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once."""
@@ -501,23 +501,22 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
     def run_neighbours(self, stage_of: Callable[[int], DiffusionStage]) -> NeighbourStats:
         """Drive this process's stage ``stage_of(pp_rank)`` of the diffusion protocol, point-to-point to neighbours."""
         with self._phase("diffusion balancing between pipeline neighbours"):
-            return run_stage(stage_of(self.pp_rank), self._pipe, self.root_device)
+            return run_stage(stage_of(self.pp_rank), self._pipe)
 
     # --- collectives (over the whole job, as Lightning expects) ------------------------------------------------------
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         if fabric_dist._distributed_is_initialized():
             with self._phase(f"a barrier ({name or 'Lightning'})"):
-                nccl = dist.get_backend() == "nccl"
-                dist.barrier(device_ids=[self.root_device.index]) if nccl else dist.barrier()
+                groups.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not fabric_dist._distributed_is_initialized():
             return obj
         payload = [obj]
-        with self._phase("a broadcast"):
-            dist.broadcast_object_list(payload, src, group=fabric_dist.group.WORLD)
+        with self._phase("a broadcast"):  # host data: over the job's CPU group once it exists
+            dist.broadcast_object_list(payload, src, group=self._mesh.control if self._mesh else None)
         return payload[0]
 
     @override

@@ -138,7 +138,7 @@ class LocalStages:
         self.runtime.replicas = replicas
         result = self.runtime.step(inputs, target, train=True)
         self.ties.reduce_grads(self.slots, self.plan, self.pipe.rank)
-        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.device)
+        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.pipe.device)
 
     def average_replicas(self, loss: Tensor, group: Any, n: int) -> None:
         """Average the logged loss and data-adapted buffers over ``n`` replicas (gradients: see :meth:`train`)."""
@@ -158,16 +158,16 @@ class LocalStages:
         self._pending = []
 
     def predict(self, inputs: Any, target: Tensor) -> Any:
-        """The last stage's outputs (on the CPU) on every process of the pipeline."""
+        """The last stage's outputs (on the CPU) on every process of the pipeline (over its CPU control group)."""
         result = self.runtime.step(inputs, target, train=False)
         payload = [move_data_to_device(result.output, "cpu") if self.runtime.has_last_stage else None]
-        dist.broadcast_object_list(payload, src=self.runtime.last_global_rank, group=self.pipe.group)
+        dist.broadcast_object_list(payload, src=self.runtime.last_global_rank, group=self.pipe.control)
         return payload[0]
 
     def evaluate(self, inputs: Any, target: Tensor) -> tuple[Tensor, StepResult]:
         """Forward of every micro-batch; the loss on every process, and the last stage's outputs there."""
         result = self.runtime.step(inputs, target, train=False)
-        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.device), result
+        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.pipe.device), result
 
     def request_profile(self) -> None:
         """Profile the coming step (several callers may ask; the step is measured once)."""
@@ -233,7 +233,7 @@ class LocalStages:
         """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once."""
         plan, rank = self.plan, self.pipe.rank
         named = list(self.module.named_parameters())
-        return reduce.param_norm(named, lambda n: self.ties.counted_here(n, plan, rank), self.pipe, self.device)
+        return reduce.param_norm(named, lambda n: self.ties.counted_here(n, plan, rank), self.pipe, self.pipe.device)
 
     def tie_layers(self, param: Tensor) -> set[int]:
         """Indices of all pipeline layers sharing ``param`` (a local parameter) in the unsplit model; empty if none."""
