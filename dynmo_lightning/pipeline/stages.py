@@ -199,8 +199,13 @@ class LocalStages:
 
     # ----------------------------------------------------------------------------------------------------------------
     def migrate(self, new: StagePlan, optimizers: Sequence[Optimizer]) -> MigrationStats:
-        """Move layers to partition ``new`` with all their state (collective over the pipeline)."""
-        stats = migrate(self.slots, optimizers, self.plan, new, pipe=self.pipe, device=self.device)
+        """Move layers to partition ``new`` with all their state (collective over the pipeline).
+
+        The built stages go first: their buffers (a receive buffer per micro-batch, DDP's gradient buckets) are not
+        held while layers travel.
+        """
+        self.runtime.invalidate()
+        stats = migrate(self.slots, optimizers, self.plan, new, pipe=self.pipe)
         self.ties.follow(self.slots, new, self.pipe.rank, optimizers)
         self.runtime.set_plan(new)
         return stats
@@ -211,13 +216,15 @@ class LocalStages:
         layers_per_stage: list[int],
         copies: list[tuple[int, int]],
         optimizers: Sequence[Optimizer],
-        global_rank: int,
+        job: Any,
     ) -> MigrationStats:
-        """Move every layer onto pipeline ranks ``keep_ranks`` and copy them to new replicas (before a restart)."""
+        """Move every layer onto pipeline ranks ``keep_ranks`` and copy them to new replicas (before a restart).
+
+        ``job`` is the CPU group of the whole job, over which the copies are agreed.
+        """
+        self.runtime.invalidate()  # as in :meth:`migrate`
         args = (self.slots, optimizers, self.plan, keep_ranks, layers_per_stage, copies)
-        stats = pack(*args, pipe=self.pipe, global_rank=global_rank, device=self.device)
-        self.runtime.invalidate()
-        return stats
+        return pack(*args, pipe=self.pipe, job=job)
 
     def adopt(self, plan: StagePlan, pipe: PipelineGroup, optimizers: Sequence[Optimizer]) -> None:
         """Run ``plan`` on ``pipe`` of a new world (layers already packed; the ties get new groups)."""
