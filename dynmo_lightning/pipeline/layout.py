@@ -302,9 +302,15 @@ def make_mesh(layout: ReplicaLayout, global_rank: int, timeout: timedelta, devic
         device: where this process's layers live.
 
     Raises:
-        ValueError: the default group's backend cannot move tensors of ``device`` (:func:`group_device`).
+        ValueError: the default group's backend cannot move tensors of ``device`` (:func:`group_device`), or moves
+            them only through the host (gloo with CUDA devices: stages could not send their activations).
     """
     wire = group_device(device)
+    if wire != device:
+        raise ValueError(
+            f"process_group_backend={str(dist.get_backend())!r} sends CPU tensors only, and this process's layers are "
+            f"on {device}: use 'nccl' (the default for CUDA devices)."
+        )
     d = layout.dp_size
     host = wire.type == "cpu"  # gloo groups: they carry host data themselves
     control = None if host else dist.new_group(backend="gloo", timeout=timeout)

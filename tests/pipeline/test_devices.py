@@ -144,6 +144,12 @@ def test_replicas_on_nccl_get_cpu_control_groups_made_by_their_members(backend, 
     assert mesh.dp_group.name == "[1, 3]" and pipe.rank == 1 and pipe.device == CUDA
 
 
+def test_gloo_with_cuda_devices_is_refused(backend, created):
+    backend("gloo")
+    with pytest.raises(ValueError, match="use 'nccl'"):
+        make_mesh(ReplicaLayout.even(2, 1), 0, timedelta(seconds=5), CUDA)
+
+
 def test_replicas_on_gloo_use_their_groups_as_control_groups(backend, created):
     backend("gloo")
     mesh = make_mesh(ReplicaLayout.even(4, 2), 0, timedelta(seconds=5), CPU)
