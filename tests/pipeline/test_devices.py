@@ -157,9 +157,7 @@ def test_replicas_on_gloo_use_their_groups_as_control_groups(backend, created):
     assert mesh.pipeline.control is mesh.pipeline.group and mesh.control is None
 
 
-def test_the_device_mesh_of_one_replica_is_made_on_first_use():
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+def test_the_device_mesh_of_one_replica_is_made_on_first_use(one_process_world):
     mesh = make_mesh(ReplicaLayout.even(1, 1), 0, timedelta(seconds=5), CPU)
     device_mesh = mesh.device_mesh
     assert device_mesh.mesh_dim_names == ("dp", "pp") and tuple(device_mesh.shape) == (1, 1)

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from dynmo_lightning.pipeline.groups import open_store
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.pipeline.runtime import PipelineRuntime, StagePlan
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def one_process_world():
-    store = open_store("127.0.0.1", timedelta(seconds=30), world_size=1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_evaluation_stages_are_freed_when_training_resumes_and_rebuilt_without_a_probe(one_process_world, monkeypatch):
