@@ -16,7 +16,7 @@ before anything travels (the step that made them is done, the next one starts fr
 without gradients), so a process's transient peak is its old layers' parameters and optimizer state, the gradients
 of the layers it keeps, and the parameters and optimizer state it receives, plus one coalescing buffer of small
 tensors at a time (``tests/pipeline/test_migration.py`` measures it). A capacity check of a plan must allow for it:
-it exceeds the final placement by the outgoing layers' parameters and optimizer state.
+it exceeds the final placement by up to the outgoing layers' parameters and optimizer state.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class MigrationStats:
         moves: the transfers of the whole pipeline.
         bytes_sent: bytes this process sent.
         bytes_received: bytes it received.
-        seconds: its time from start to commit (device time: on GPU the transfers' end, not their enqueue).
+        seconds: its time from start to end (device time: on GPU the transfers' end, not their enqueue).
         setup_seconds: the part of ``seconds`` spent opening device links to peers met for the first time.
     """
 

@@ -12,8 +12,9 @@ stage (device to device, their shapes on the CPU control group): what a dynamic 
 values it gets (early exit's active-token mask decides which branch runs and whether an auxiliary loss needs
 gradients), so a stand-in of zeros could record other metadata.
 
-Training and evaluation keep separate metadata (probed once per build). Evaluation stages and schedules are built
-when an evaluation runs and dropped when training resumes: they hold a receive buffer per micro-batch.
+Training and evaluation keep separate metadata, each probed once until the layers change. Evaluation stages and
+schedules are built when an evaluation runs and dropped when training resumes: they hold a receive buffer per
+micro-batch.
 """
 
 from __future__ import annotations
