@@ -31,13 +31,21 @@ from torch import Tensor, nn
 from dynmo_lightning.protocol import as_tuple, call_layer
 
 
-class _Clock:
-    """Timestamps that mean device time: CUDA events on GPU, ``perf_counter`` elsewhere."""
+class DeviceClock:
+    """Timestamps that mean device time: CUDA events on GPU, ``perf_counter`` elsewhere.
+
+    On a GPU the host only enqueues work: a host clock around it would time the enqueue. Events recorded on the
+    current stream time the work itself, and nothing waits for the device until a duration is read.
+
+    Args:
+        device: the device whose work is timed.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
 
     def now(self) -> Any:
+        """A timestamp: a recorded CUDA event on GPU, a ``perf_counter`` reading elsewhere."""
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -45,12 +53,11 @@ class _Clock:
         return time.perf_counter()
 
     def elapsed(self, start: Any, end: Any) -> float:
-        """Seconds from ``start`` to ``end`` (call :meth:`sync` first on GPU)."""
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
-
-    def sync(self) -> None:
+        """Seconds from ``start`` to ``end`` (on GPU this waits until the device has reached ``end``)."""
         if self.cuda:
-            torch.cuda.synchronize()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
 
 
 @dataclasses.dataclass
@@ -70,7 +77,7 @@ class LayerProfiler:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self._clock = _Clock(device)
+        self._clock = DeviceClock(device)
         self.active = False
         self._reset()
 
@@ -141,7 +148,6 @@ class LayerProfiler:
         self.active = False
         for h in self._hooks:
             h.remove()
-        self._clock.sync()
         fwd: dict[int, float] = defaultdict(float)
         calls: dict[int, int] = defaultdict(int)
         for index, start, end in self._fwd:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -53,6 +52,7 @@ from dynmo_lightning.pipeline.resize import ResizeMixin
 from dynmo_lightning.pipeline.runtime import StagePlan, first_dim
 from dynmo_lightning.pipeline.stages import LocalStages
 from dynmo_lightning.pipeline.watchdog import Watchdog
+from dynmo_lightning.profiling import DeviceClock
 from dynmo_lightning.protocol import split_batch
 
 
@@ -129,8 +129,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         self._shard_data: bool | None = None  # the Trainer's use_distributed_sampler (the strategy shards itself)
         #: Batch size the sampler delivered in the last training step (before a replica takes its part).
         self._batch_size: int | None = None
-        #: Wall time of the last training step's pipeline schedule (forward and backward of all micro-batches).
-        self.schedule_seconds = 0.0
+        self._schedule_span: tuple[DeviceClock, Any, Any] | None = None  # the last training step's schedule
         #: ``[{"step", "layers_per_stage"}]``: the initial partition and every change.
         self.partitions: list[dict[str, Any]] = []
         #: The job's processes across shrinks and grows: their nodes, stable ids, who waits to come back.
@@ -138,6 +137,11 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         self._device: torch.device | None = None  # pinned at start-up: a shrink renumbers local ranks, not devices
 
     # --- processes, devices and plugins ------------------------------------------------------------------------------
+    @property
+    def schedule_seconds(self) -> float:
+        """Device time of the last training step's schedule (all micro-batches; on GPU reading waits for them)."""
+        return self._schedule_span[0].elapsed(*self._schedule_span[1:]) if self._schedule_span else 0.0
+
     @property
     def is_distributed(self) -> bool:
         """Always true: Lightning then syncs logs and wraps dataloaders with a (pipeline-aware) sampler."""
@@ -233,9 +237,9 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         return self._layout, self.dp_rank
 
     def _use_layout(self, layout: ReplicaLayout) -> None:
-        """Adopt ``layout`` in the current world (collective: every process makes every group)."""
+        """Adopt ``layout`` in the current world (collective; refuses a backend that cannot move this device's data)."""
         self._layout = layout
-        self._mesh = make_mesh(layout, self.global_rank, self._timeout, self.root_device.type)
+        self._mesh = make_mesh(layout, self.global_rank, self._timeout, self.root_device)
 
     # --- start-up ----------------------------------------------------------------------------------------------------
     @override
@@ -254,8 +258,8 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         kwargs = {"device_id": device} if device.type != "cpu" else {}
         fabric_dist._init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **kwargs)
         self._device = device
-        self.elastic.start(self.node_rank)
         self._use_layout(ReplicaLayout.even(self.world_size, self.data_parallel_size))
+        self.elastic.start(self.node_rank)
         self._start_watchdog(*groups.host_stores(1, self.cluster_environment.main_address, self._timeout))
 
     def _start_watchdog(self, stores: list[dist.TCPStore | None], ports: list[int]) -> None:
@@ -321,7 +325,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         self.setup_precision_plugin()
         order = self._stages.split.param_order
         self.precision_plugin.clip_by_norm = GlobalNormClipping(
-            order, self._stages.param_names, lambda: self._pipe, lambda: self.root_device
+            order, self._stages.param_names, lambda: self._pipe, lambda: self._pipe.device
         )
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -363,13 +367,14 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         assert self._stages is not None and self.lightning_module is not None
         inputs, target = self._batch(args[0] if args else kwargs["batch"], train=True)
-        module, start = self.lightning_module, time.perf_counter()
+        module, clock = self.lightning_module, DeviceClock(self.root_device)
+        start = clock.now()
         params = [p for p in module.parameters() if p.requires_grad]
         step = module.trainer.global_step
         replicas = self._mesh.dp_group if self._mesh is not None else None
         with self._phase(f"training step {step} (pipeline schedule)"), self.precision_plugin.train_step_context():
             loss = self._stages.train(inputs, target, params, replicas)
-        self.schedule_seconds = time.perf_counter() - start
+        self._schedule_span = (clock, start, clock.now())
         if replicas is not None:
             with self._phase(f"training step {step} (loss and buffers over replicas)"):
                 self._stages.average_replicas(loss, replicas, self.dp_size)
@@ -446,7 +451,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         """Whether every replica holds bit-identical parameters and persistent buffers (collective over the job)."""
         assert self.lightning_module is not None and self._mesh is not None
         state = self.lightning_module.state_dict()
-        return replicas_in_sync(state, self._mesh.dp_group, self.dp_size, self.root_device)
+        return replicas_in_sync(state, self._mesh.dp_group, self.dp_size, self._pipe.device)
 
     def param_norm(self) -> float:
         """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once."""
@@ -496,23 +501,22 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
     def run_neighbours(self, stage_of: Callable[[int], DiffusionStage]) -> NeighbourStats:
         """Drive this process's stage ``stage_of(pp_rank)`` of the diffusion protocol, point-to-point to neighbours."""
         with self._phase("diffusion balancing between pipeline neighbours"):
-            return run_stage(stage_of(self.pp_rank), self._pipe, self.root_device)
+            return run_stage(stage_of(self.pp_rank), self._pipe)
 
     # --- collectives (over the whole job, as Lightning expects) ------------------------------------------------------
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         if fabric_dist._distributed_is_initialized():
             with self._phase(f"a barrier ({name or 'Lightning'})"):
-                nccl = dist.get_backend() == "nccl"
-                dist.barrier(device_ids=[self.root_device.index]) if nccl else dist.barrier()
+                groups.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not fabric_dist._distributed_is_initialized():
             return obj
         payload = [obj]
-        with self._phase("a broadcast"):
-            dist.broadcast_object_list(payload, src, group=fabric_dist.group.WORLD)
+        with self._phase("a broadcast"):  # host data: over the job's CPU group once it exists
+            dist.broadcast_object_list(payload, src, group=self._mesh.control if self._mesh else None)
         return payload[0]
 
     @override

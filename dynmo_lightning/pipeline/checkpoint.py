@@ -14,7 +14,6 @@ import pickle
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
@@ -23,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from dynmo_lightning.pipeline import transport
 from dynmo_lightning.pipeline.layout import PipelineGroup, ReplicaLayout
 from dynmo_lightning.pipeline.safe_load import CheckpointRefused
 
@@ -119,15 +119,18 @@ def gather_checkpoint(checkpoint: dict[str, Any], pipe: PipelineGroup) -> dict[s
     """The whole model's checkpoint on pipeline rank 0 (``None`` elsewhere; collective over the pipeline).
 
     Every stage sends its part of the model state (the unsplit model's keys) and its named optimizer states, moved
-    to the CPU; pipeline rank 0 merges them into ``checkpoint``'s other entries (loops, callbacks, schedulers).
+    to the CPU; pipeline rank 0 merges them into ``checkpoint``'s other entries (loops, callbacks, schedulers). The
+    parts travel over the pipeline's CPU control group (gloo), one stage after the other: rank 0 then holds the
+    merged checkpoint and one stage's pickle at a time, in host memory (a gather over NCCL would stage every part on
+    its GPU at once).
     """
     part = move_data_to_device(
         {"state_dict": checkpoint.get("state_dict", {}), "optimizer_states": checkpoint.get("optimizer_states")}, "cpu"
     )
-    parts: list[Any] | None = [None] * pipe.size if pipe.rank == 0 else None
-    dist.gather_object(part, parts, dst=pipe.global_rank(0), group=pipe.group)
-    if parts is None:
+    if pipe.rank != 0:
+        transport.send_header(part, pipe.global_rank(0), pipe)
         return None
+    parts = [part, *(transport.recv_header(pipe.global_rank(rank), pipe) for rank in range(1, pipe.size))]
     merged = dict(checkpoint)
     merged["state_dict"] = {k: v for p in parts for k, v in p["state_dict"].items()}
     if parts[0]["optimizer_states"] is not None:

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
+from dynmo_lightning.pipeline.layout import group_device
+
 #: What a process released by consolidation does: leave at once, idle until training ends, or join other released
 #: processes in a new data-parallel replica of the pipeline.
 ON_RELEASE = ("exit", "wait", "data_parallel")
@@ -178,6 +180,18 @@ def check_shrink(keep_ranks: list[int], on_release: str, stages_per_rank: int) -
         raise ValueError("consolidation needs one stage per rank (strategy.stages_per_rank=1)")
     if not keep_ranks or keep_ranks[0] != 0 or sorted(set(keep_ranks)) != keep_ranks:
         raise ValueError(f"keep_ranks={keep_ranks} must be ascending, distinct and start with rank 0")
+
+
+def barrier(device: torch.device) -> None:
+    """A barrier of the default group, for a process whose layers are on ``device`` (any backend, any device).
+
+    NCCL's barrier runs on the GPU the process uses (``device_ids``); gloo's takes none.
+
+    Raises:
+        ValueError: the default group's backend cannot move tensors of ``device`` (a group an earlier fit left).
+    """
+    wire = group_device(device)
+    dist.barrier(device_ids=[wire.index] if wire.type == "cuda" else None)
 
 
 def free_port() -> int:

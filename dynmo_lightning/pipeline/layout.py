@@ -6,15 +6,18 @@ A job of ``W`` processes runs ``D`` replicas of a pipeline of ``P`` processes. :
 replica, the global ranks of its pipeline by pipeline rank (the rows of the ``("dp", "pp")`` device mesh), the data
 shard its sampler reads and which part of that shard's batches it trains on (replicas grown from released processes
 split the batches of the replica they came from). Every translation between a pipeline rank and a global rank goes
-through :meth:`ReplicaLayout.global_rank`. :func:`make_mesh` creates the process groups of a layout.
+through :meth:`ReplicaLayout.global_rank`. :func:`make_mesh` creates the process groups of a layout, and
+:func:`group_device` is THE choice of the device a group's tensors live on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.fabric.utilities.distributed import group as _group
@@ -179,22 +182,63 @@ def _splits_into(batch_size: int | None, n_microbatches: int, n_parts: int) -> b
     return True
 
 
+_CPU = torch.device("cpu")
+
+
+def group_device(device: torch.device, group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where the tensors ``group`` sends, broadcasts or reduces live, for a process whose layers are on ``device``.
+
+    NCCL moves CUDA tensors only; gloo sends CPU tensors only (its collectives take CUDA tensors, its point-to-point
+    does not): every gloo group's tensors, the control groups' included, live on the CPU. A ``"cpu:gloo,cuda:nccl"``
+    group takes each device to its own backend.
+
+    Args:
+        device: where this process's layers live.
+        group: the process group (``None``: the default group).
+
+    Raises:
+        ValueError: no backend of ``group`` moves tensors of ``device`` (e.g. a CPU fit in a process whose NCCL
+            default group an earlier GPU fit left behind).
+    """
+    backend = str(dist.get_backend(group))
+    per_type = dict(pair.split(":") for pair in backend.split(",")) if ":" in backend else {device.type: backend}
+    chosen = per_type.get(device.type)
+    if chosen == "gloo":
+        return _CPU
+    if chosen is None or (chosen == "nccl" and device.type != "cuda"):
+        raise ValueError(
+            f"The process group's backend {backend!r} cannot move tensors of {device}. A process group that an "
+            "earlier fit in this process left behind is reused by Lightning: call "
+            "torch.distributed.destroy_process_group() between fits, or run this fit on the devices of that backend "
+            "(NCCL: CUDA; gloo: CPU)."
+        )
+    return device
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineGroup:
-    """This process's pipeline: its pipeline rank, the process group, and the members' global ranks.
+    """This process's pipeline: its pipeline rank, the process groups, and the members' global ranks.
 
     Point-to-point calls address global ranks; :meth:`global_rank` is how the pipeline runtime, layer migration and
-    the strategy translate (a row of :attr:`ReplicaLayout.replicas`).
+    the strategy translate (a row of :attr:`ReplicaLayout.replicas`). Tensors of the layers travel on :attr:`group`;
+    host data (pickled headers, flags, diffusion cards, checkpoint parts) on :attr:`control`, a gloo group of the same
+    processes, where a message is a host copy instead of a device round trip.
 
     Attributes:
         rank: this process's pipeline rank.
         group: the pipeline's process group (``None``: the default group, when there is one replica).
         ranks: global rank of every pipeline rank.
+        control: the pipeline's CPU (gloo) group (``None``: the default group, which is gloo then).
+        device: where tensors on :attr:`group` live (:func:`group_device`).
+        links: peers this process has opened a device link to on :attr:`group` (see ``transport.open_link``).
     """
 
     rank: int
     group: dist.ProcessGroup | None
     ranks: list[int]
+    control: dist.ProcessGroup | None = None
+    device: torch.device = _CPU
+    links: set[int] = dataclasses.field(default_factory=set, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -213,38 +257,80 @@ class Mesh:
     Attributes:
         pipeline: this process's pipeline.
         dp_group: this process's stage across the replicas (``None`` with one replica).
-        device_mesh: the ``("dp", "pp")`` ``DeviceMesh`` over the same groups.
+        control: the job's CPU (gloo) group of all processes (``None``: the default group, which is gloo then).
+        layout: the layout the groups were made for.
+        device_type: the processes' device type (of :attr:`device_mesh`).
     """
 
     pipeline: PipelineGroup
     dp_group: dist.ProcessGroup | None
-    device_mesh: Any
+    control: dist.ProcessGroup | None
+    layout: ReplicaLayout
+    device_type: str
+
+    @functools.cached_property
+    def device_mesh(self) -> Any:
+        """The ``("dp", "pp")`` ``DeviceMesh`` over the same groups, made on first use (not collective).
+
+        With one replica the ``"dp"`` dimension is a one-process gloo group that only this process creates: nothing
+        in the job uses it, and a one-rank NCCL group would cost a world-wide communicator split per rank.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        pipe, dp = self.pipeline, self.dp_group
+        if dp is None:
+            own = [pipe.global_rank(pipe.rank)]
+            dp = dist.new_group(own, backend="gloo", use_local_synchronization=True)
+        pp = pipe.group if pipe.group is not None else _group.WORLD
+        layout = self.layout
+        return DeviceMesh.from_group([dp, pp], self.device_type, mesh=layout.replicas, mesh_dim_names=("dp", "pp"))
 
 
-def make_mesh(layout: ReplicaLayout, global_rank: int, timeout: timedelta, device_type: str) -> Mesh:
-    """Create the groups of ``layout`` (collective: every process of the job makes every group).
+def make_mesh(layout: ReplicaLayout, global_rank: int, timeout: timedelta, device: torch.device) -> Mesh:
+    """Create the groups of ``layout`` (collective: every process of the job makes every group, in the same order).
 
-    The groups are made here (with the strategy's timeout) and handed to ``DeviceMesh.from_group``: the mesh's own
-    group creation would use torch's 30-minute default timeout.
+    Only the groups something uses are made: with one replica the pipeline is the default group and there are no
+    replica groups. With NCCL, CPU control groups are made too: one of the whole job and, with replicas, one per
+    pipeline; these are made by their members only (with a device-bound NCCL default group, a non-member's
+    ``new_group`` would join an NCCL communicator split the members never enter). The groups get the strategy's
+    timeout (torch's default is 30 minutes).
+
+    Args:
+        layout: the replicas.
+        global_rank: this process's rank.
+        timeout: timeout of every group.
+        device: where this process's layers live.
+
+    Raises:
+        ValueError: the default group's backend cannot move tensors of ``device`` (:func:`group_device`), or moves
+            them only through the host (gloo with CUDA devices: stages could not send their activations).
     """
-    from torch.distributed.device_mesh import DeviceMesh
-
+    wire = group_device(device)
+    if wire != device:
+        raise ValueError(
+            f"process_group_backend={str(dist.get_backend())!r} sends CPU tensors only, and this process's layers are "
+            f"on {device}: use 'nccl' (the default for CUDA devices)."
+        )
     d = layout.dp_size
-    pp_group = dp_group = None
-    for ranks in layout.replicas:
-        group = dist.new_group(ranks, timeout=timeout) if d > 1 else _group.WORLD
+    host = wire.type == "cpu"  # gloo groups: they carry host data themselves
+    control = None if host else dist.new_group(backend="gloo", timeout=timeout)
+    pp_group = pp_control = dp_group = None
+    for ranks in layout.replicas if d > 1 else []:
+        group = dist.new_group(ranks, timeout=timeout)
+        cpu = group if host else dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
         if global_rank in ranks:
-            pp_group = group
-    for stage in range(layout.pp_size):
+            pp_group, pp_control = group, cpu
+    for stage in range(layout.pp_size) if d > 1 else []:
         ranks = layout.stage_ranks(stage)
         group = dist.new_group(ranks, timeout=timeout)
         if global_rank in ranks:
             dp_group = group
-    mesh = DeviceMesh.from_group([dp_group, pp_group], device_type, mesh=layout.replicas, mesh_dim_names=("dp", "pp"))
     dp = layout.dp_rank(global_rank)
     # One replica: the pipeline is the default group (as before data parallelism existed).
-    pipeline = PipelineGroup(layout.pp_rank(global_rank), pp_group if d > 1 else None, list(layout.replicas[dp]))
-    return Mesh(pipeline, dp_group if d > 1 else None, mesh)
+    pipeline = PipelineGroup(
+        layout.pp_rank(global_rank), pp_group, list(layout.replicas[dp]), pp_control if d > 1 else control, wire
+    )
+    return Mesh(pipeline, dp_group, control, layout, device.type)
 
 
 def shard_dataloader(dataloader: Any, shard: int, n_shards: int, seed: int) -> Any:

@@ -4,12 +4,19 @@ A layer travels as the module object itself, so parameters, buffers, ``requires_
 arrives pruned) and any dynamic state a layer keeps in its attributes (masks, routers, thresholds, flags) all move
 with it, together with the optimizer state of its parameters (e.g. Adam moments and step counts) and the index of
 the parameter group each parameter belongs to. The module is pickled with its tensors replaced by references; the
-tensors themselves go with batched ``torch.distributed`` point-to-point operations (GPU to GPU under NCCL), received
-directly into the receiver's new tensors.
+pickle goes over the pipeline's CPU control group, the tensors with batched point-to-point operations (GPU to GPU
+under NCCL), received directly into the receiver's new tensors (:mod:`~dynmo_lightning.pipeline.transport`).
 
 Migration is two-phase: every transfer completes and every receiver has rebuilt its layers before anyone commits;
 only then do senders drop their copies and receivers install theirs, and the optimizers are updated in place (so LR
 schedulers keep pointing at the same optimizer). Global layer order never changes: a plan is a new contiguous split.
+
+Memory: until the commit a process holds what it had and what it received. Outgoing layers' gradients are dropped
+before anything travels (the step that made them is done, the next one starts from none; moved layers arrive
+without gradients), so a process's transient peak is its old layers' parameters and optimizer state, the gradients
+of the layers it keeps, and the parameters and optimizer state it receives, plus one coalescing buffer of small
+tensors at a time (``tests/pipeline/test_migration.py`` measures it). A capacity check of a plan must allow for it:
+it exceeds the final placement by up to the outgoing layers' parameters and optimizer state.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,9 +33,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from dynmo_lightning.optim import drop_params
+from dynmo_lightning.pipeline import transport
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.pipeline.runtime import StagePlan
+from dynmo_lightning.profiling import DeviceClock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +51,33 @@ class Move:
 
 @dataclasses.dataclass
 class MigrationStats:
-    """What one migration did on this process."""
+    """What one migration did on this process.
+
+    Attributes:
+        moves: the transfers of the whole pipeline.
+        bytes_sent: bytes this process sent.
+        bytes_received: bytes it received.
+        seconds: its time from start to end (device time: on GPU the transfers' end, not their enqueue).
+        setup_seconds: the part of ``seconds`` spent opening device links to peers met for the first time.
+    """
 
     moves: list[Move]
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
+    setup_seconds: float = 0.0
+
+    @property
+    def transfer_seconds(self) -> float:
+        """``seconds`` without the one-off link set-up: what a bandwidth estimate should learn from."""
+        return max(0.0, self.seconds - self.setup_seconds)
+
+    def add(self, other: MigrationStats) -> None:
+        """Count ``other``'s bytes and times in these."""
+        self.bytes_sent += other.bytes_sent
+        self.bytes_received += other.bytes_received
+        self.seconds += other.seconds
+        self.setup_seconds += other.setup_seconds
 
 
 def plan_moves(old: StagePlan, new: StagePlan) -> list[Move]:
@@ -64,12 +93,8 @@ def plan_moves(old: StagePlan, new: StagePlan) -> list[Move]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Serialisation: pickle with tensors by reference, tensor bytes in one flat buffer
+# Serialisation: pickle with tensors by reference; the tensors travel raw (pipeline/transport.py)
 # ---------------------------------------------------------------------------------------------------------------------
-#: Tensors smaller than this travel together in one byte buffer; a message each would cost more than the copy.
-_COALESCE_BELOW = 64 * 1024
-
-
 class _Packer(pickle.Pickler):
     """Pickles objects with tensors on ``device`` replaced by references into :attr:`tensors` (shared ones once)."""
 
@@ -117,68 +142,6 @@ def _unpack(blob: bytes, tensors: list[Tensor]) -> Any:
     return _Unpacker(io.BytesIO(blob), tensors).load()
 
 
-#: Dtypes every torch.distributed backend transfers natively; others travel as their bytes.
-_NATIVE = {
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.uint8,
-    torch.int8,
-}
-
-
-def _bytes(t: Tensor) -> Tensor:
-    """A flat byte view of a contiguous tensor's memory."""
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _wire(t: Tensor) -> Tensor:
-    """The tensor as it goes over the wire (a byte view of the same memory for exotic dtypes)."""
-    return t if t.dtype in _NATIVE else _bytes(t)
-
-
-def _send_tensors(tensors: list[Tensor], peer: int, group: dist.ProcessGroup | None) -> None:
-    """Large tensors go as messages of their own, small ones together in one byte buffer."""
-    small = [_bytes(t) for t in tensors if t.numel() * t.element_size() < _COALESCE_BELOW]
-    ops = [
-        dist.P2POp(dist.isend, _wire(t), peer, group)
-        for t in tensors
-        if t.numel() * t.element_size() >= _COALESCE_BELOW
-    ]
-    if small:
-        ops.append(dist.P2POp(dist.isend, torch.cat(small), peer, group))
-    _exchange(ops)
-
-
-def _recv_tensors(tensors: list[Tensor], peer: int, group: dist.ProcessGroup | None) -> None:
-    """Receive into ``tensors`` (allocated by the caller) what :func:`_send_tensors` sent."""
-    small = [t for t in tensors if t.numel() * t.element_size() < _COALESCE_BELOW]
-    ops = [
-        dist.P2POp(dist.irecv, _wire(t), peer, group)
-        for t in tensors
-        if t.numel() * t.element_size() >= _COALESCE_BELOW
-    ]
-    buffer = torch.empty(sum(t.numel() * t.element_size() for t in small), dtype=torch.uint8, device=tensors[0].device)
-    if small:
-        ops.append(dist.P2POp(dist.irecv, buffer, peer, group))
-    _exchange(ops)
-    offset = 0
-    for t in small:
-        n = t.numel() * t.element_size()
-        _bytes(t).copy_(buffer[offset : offset + n])
-        offset += n
-
-
-def _exchange(ops: list[dist.P2POp]) -> None:
-    """Run point-to-point operations concurrently and wait for all of them."""
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 def _optimizer_entries(layer: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, tuple[int, int, dict]]:
     """``{param name in layer: (optimizer index, group index, state)}`` for the layer's optimized parameters."""
@@ -208,35 +171,53 @@ def _add_to_optimizers(layer: nn.Module, entries: dict[str, tuple[int, int, dict
 
 
 def _send_layers(
-    slots: LayerSlots,
-    optimizers: Sequence[Optimizer],
-    indices: Sequence[int],
-    peer: int,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
+    slots: LayerSlots, optimizers: Sequence[Optimizer], indices: Sequence[int], peer: int, pipe: PipelineGroup
 ) -> int:
     """Send layers ``indices`` with their optimizer entries to global rank ``peer``; returns the bytes sent."""
     payload = {i: (slots.get(i), _optimizer_entries(slots.get(i), optimizers)) for i in indices}
-    blob, tensors = _pack(payload, device)
-    header = (blob, [(t.dtype, tuple(t.shape)) for t in tensors])
-    dist.send_object_list([header], dst=peer, group=group, device=device if device.type == "cuda" else None)
+    blob, tensors = _pack(payload, pipe.device)
+    transport.send_header((blob, [(t.dtype, tuple(t.shape)) for t in tensors]), peer, pipe)
     if tensors:
-        _send_tensors(tensors, peer, group)
+        transport.send_tensors(tensors, peer, pipe)
     return len(blob) + sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _recv_layers(
-    peer: int, group: dist.ProcessGroup | None, device: torch.device
-) -> tuple[dict[int, tuple[nn.Module, dict]], int]:
+def _recv_layers(peer: int, pipe: PipelineGroup) -> tuple[dict[int, tuple[nn.Module, dict]], int]:
     """Receive what :func:`_send_layers` sent: ``{index: (layer, optimizer entries)}`` and the bytes received."""
-    header: list[Any] = [None]
-    dist.recv_object_list(header, src=peer, group=group, device=device if device.type == "cuda" else None)
-    blob, specs = header[0]
+    blob, specs = transport.recv_header(peer, pipe)
     # Large tensors are received straight into their final memory.
-    tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
+    tensors = [torch.empty(shape, dtype=dtype, device=pipe.device) for dtype, shape in specs]
     if tensors:
-        _recv_tensors(tensors, peer, group)
+        transport.recv_tensors(tensors, peer, pipe)
     return _unpack(blob, tensors), len(blob) + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _transfer(
+    slots: LayerSlots,
+    optimizers: Sequence[Optimizer],
+    pairs: Sequence[tuple[int, int, Sequence[int]]],
+    me: int,
+    pipe: PipelineGroup,
+    stats: MigrationStats,
+    clock: DeviceClock,
+) -> dict[int, tuple[nn.Module, dict]]:
+    """This process's part of ``pairs``: ``(src, dst, layers)`` in global ranks, in the same order on every process.
+
+    Returns what it received; adds its bytes and link set-up time to ``stats``.
+    """
+    received: dict[int, tuple[nn.Module, dict]] = {}
+    for src, dst, layers in pairs:
+        if me not in (src, dst):
+            continue
+        peer = dst if me == src else src
+        stats.setup_seconds += transport.open_link(peer, pipe, clock)
+        if me == src:
+            stats.bytes_sent += _send_layers(slots, optimizers, layers, peer, pipe)
+        else:
+            got, size = _recv_layers(peer, pipe)
+            received.update(got)
+            stats.bytes_received += size
+    return received
 
 
 def _install(slots: LayerSlots, received: dict[int, tuple[nn.Module, dict]], optimizers: Sequence[Optimizer]) -> None:
@@ -246,11 +227,10 @@ def _install(slots: LayerSlots, received: dict[int, tuple[nn.Module, dict]], opt
         _add_to_optimizers(module, entries, optimizers)
 
 
-def _commit_flag(ok: bool, device: torch.device, group: dist.ProcessGroup | None) -> bool:
-    """Whether every process of ``group`` succeeded (phase one of a two-phase change)."""
-    flag = torch.tensor([1 if ok else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+def _leaving_params(slots: LayerSlots, leaving: set[int]) -> list[nn.Parameter]:
+    """Parameters of the ``leaving`` layers that no staying layer shares (a tie's staying copy is kept)."""
+    staying = {id(p) for i in slots.local_indices() if i not in leaving for p in slots.get(i).parameters()}
+    return [p for i in sorted(leaving) for p in slots.get(i).parameters() if id(p) not in staying]
 
 
 def migrate(
@@ -260,7 +240,6 @@ def migrate(
     new: StagePlan,
     *,
     pipe: PipelineGroup,
-    device: torch.device,
 ) -> MigrationStats:
     """Carry out ``old -> new`` on this process (collective over the pipeline group; every rank must call it).
 
@@ -269,50 +248,40 @@ def migrate(
         optimizers: the optimizers holding the local parameters (updated in place).
         old: the current partition.
         new: the target partition.
-        pipe: this process's pipeline (rank, group, members' global ranks).
-        device: the device layers live on (and tensors travel on).
+        pipe: this process's pipeline (rank, groups, members' global ranks, the device tensors travel on).
 
     Returns:
-        The transfers and this process's bytes sent/received and wall time.
+        The transfers and this process's bytes sent/received and time.
 
     Raises:
         RuntimeError: a transfer failed on some process; nothing was committed anywhere.
     """
-    t0 = time.perf_counter()
+    clock = DeviceClock(pipe.device)
+    start = clock.now()
     moves = plan_moves(old, new)
     stats = MigrationStats(moves)
-    received: dict[int, tuple[nn.Module, dict]] = {}
-    rank, group = pipe.rank, pipe.group
-    ok = True
-    error: BaseException | None = None
-    for move in moves:
-        if rank not in (move.src, move.dst):
-            continue
-        try:
-            peer = pipe.global_rank(move.dst if rank == move.src else move.src)
-            if rank == move.src:
-                stats.bytes_sent += _send_layers(slots, optimizers, move.layers, peer, group, device)
-            else:
-                layers, size = _recv_layers(peer, group, device)
-                received.update(layers)
-                stats.bytes_received += size
-        except Exception as e:
-            ok, error = False, e
-            break
+    leaving = {i for move in moves if pipe.rank == move.src for i in move.layers}
+    outgoing = _leaving_params(slots, leaving)
+    for p in outgoing:
+        p.grad = None  # dead (see the module docstring): not held while the layers travel
+    pairs = [(pipe.global_rank(m.src), pipe.global_rank(m.dst), m.layers) for m in moves]
+    received, error = {}, None
+    try:
+        received = _transfer(slots, optimizers, pairs, pipe.global_rank(pipe.rank), pipe, stats, clock)
+    except Exception as e:
+        error = e
     # Phase two: commit only if every process holds what it must.
-    if not _commit_flag(ok, device, group):
+    if not transport.all_agree(error is None, pipe.control):
         raise RuntimeError(
             f"layer migration {list(old.layers_per_stage)} -> {list(new.layers_per_stage)} failed on "
-            f"{'this process' if not ok else 'another process'}; nothing was changed"
+            f"{'this process' if error is not None else 'another process'}; nothing was changed"
         ) from error
-    leaving = {i for move in moves if rank == move.src for i in move.layers}
-    staying = {id(p) for i in slots.local_indices() if i not in leaving for p in slots.get(i).parameters()}
+    # A parameter shared with a layer that stays (a tie) stays in the optimizer; the moving layer takes a copy.
+    drop_params(outgoing, optimizers)
     for i in sorted(leaving):
-        # A parameter shared with a layer that stays (a tie) stays in the optimizer; the moving layer takes a copy.
-        drop_params([p for p in slots.get(i).parameters() if id(p) not in staying], optimizers)
         slots.remove(i)
     _install(slots, received, optimizers)
-    stats.seconds = time.perf_counter() - t0
+    stats.seconds = clock.elapsed(start, clock.now())
     return stats
 
 
@@ -321,49 +290,46 @@ def replicate(
     optimizers: Sequence[Optimizer],
     copies: Sequence[tuple[int, int]],
     *,
-    rank: int,
-    device: torch.device,
+    pipe: PipelineGroup,
+    job: dist.ProcessGroup | None,
 ) -> MigrationStats:
-    """Copy every layer of each ``src`` to ``dst`` (global ranks), with optimizer state; collective over the world.
+    """Copy every layer of each ``src`` to ``dst`` (global ranks of ``pipe``), with optimizer state (collective).
 
     A new data-parallel replica is made this way from a live one: the receiver must hold no layers; the sender keeps
-    its own. Two-phase as :func:`migrate`: receivers install what they got only when every copy arrived everywhere.
+    its own. Two-phase as :func:`migrate`, agreed over the whole job: receivers install what they got only when every
+    copy arrived everywhere.
 
     Args:
         slots: the model's layers on this process.
         optimizers: the optimizers holding the local parameters (receivers' are updated in place).
-        copies: ``(src, dst)`` pairs of global ranks, the same list on every process.
-        rank: this process's global rank.
-        device: the device layers live on (and tensors travel on).
+        copies: ``(src, dst)`` pairs of global ranks of one pipeline each, the same list on every process.
+        pipe: this process's pipeline (the copies of its pairs travel on its groups).
+        job: the CPU group of the whole job (``Mesh.control``).
     """
-    t0 = time.perf_counter()
+    clock = DeviceClock(pipe.device)
+    start = clock.now()
     stats = MigrationStats(moves=[])
-    received: dict[int, tuple[nn.Module, dict]] = {}
-    receiving = any(rank == dst for _, dst in copies)
+    me = pipe.global_rank(pipe.rank)
+    receiving = any(me == dst for _, dst in copies)
     # Checked by everyone before any transfer: a receiver that cannot take a copy must not leave its sender blocked.
-    if not _commit_flag(not (receiving and slots.local_indices()), device, None):
+    if not transport.all_agree(not (receiving and slots.local_indices()), job):
         raise RuntimeError(
             f"copying layers to new replicas {list(copies)}: a receiving process still holds layers "
             f"({slots.local_indices() if receiving else 'on another process'}); nothing was changed"
         )
-    ok, error = True, None
+    mine = [(src, dst, slots.local_indices() if me == src else ()) for src, dst in copies if me in (src, dst)]
+    received, error = {}, None
     try:
-        for src, dst in copies:
-            if rank == src:
-                stats.bytes_sent += _send_layers(slots, optimizers, slots.local_indices(), dst, None, device)
-            elif rank == dst:
-                layers, size = _recv_layers(src, None, device)
-                received.update(layers)
-                stats.bytes_received += size
+        received = _transfer(slots, optimizers, mine, me, pipe, stats, clock)
     except Exception as e:
-        ok, error = False, e
-    if not _commit_flag(ok, device, None):
+        error = e
+    if not transport.all_agree(error is None, job):
         raise RuntimeError(
             f"copying layers to new replicas {list(copies)} failed on "
-            f"{'this process' if not ok else 'another process'}; nothing was changed"
+            f"{'this process' if error is not None else 'another process'}; nothing was changed"
         ) from error
     _install(slots, received, optimizers)
-    stats.seconds = time.perf_counter() - t0
+    stats.seconds = clock.elapsed(start, clock.now())
     return stats
 
 
@@ -376,8 +342,7 @@ def pack(
     copies: Sequence[tuple[int, int]],
     *,
     pipe: PipelineGroup,
-    global_rank: int,
-    device: torch.device,
+    job: dist.ProcessGroup | None,
 ) -> MigrationStats:
     """Move every layer onto the pipeline ranks ``keep_ranks``, then copy them to new replicas (collective).
 
@@ -389,16 +354,12 @@ def pack(
         layers_per_stage: the partition over the kept ranks.
         copies: ``(src, dst)`` global ranks: every layer of ``src`` is copied to ``dst`` (see :func:`replicate`).
         pipe: this process's pipeline.
-        global_rank: this process's global rank.
-        device: the device layers live on.
+        job: the CPU group of the whole job.
     """
     target = [0] * plan.n_ranks
     for stage, rank in enumerate(keep_ranks):
         target[rank] = layers_per_stage[stage]
-    stats = migrate(slots, optimizers, plan, StagePlan(tuple(target), plan.n_ranks), pipe=pipe, device=device)
+    stats = migrate(slots, optimizers, plan, StagePlan(tuple(target), plan.n_ranks), pipe=pipe)
     if copies:
-        copied = replicate(slots, optimizers, copies, rank=global_rank, device=device)
-        stats.bytes_sent += copied.bytes_sent
-        stats.bytes_received += copied.bytes_received
-        stats.seconds += copied.seconds
+        stats.add(replicate(slots, optimizers, copies, pipe=pipe, job=job))
     return stats

@@ -2,8 +2,9 @@
 
 The protocol itself is pure and lives in :mod:`dynmo_lightning.balance.diffusion` (:class:`DiffusionStage`); this
 room only carries its cards. Every round, each process sends its stage's card (one small float64 tensor) to the
-previous and the next process of its pipeline and receives theirs (``dist.batch_isend_irecv`` on the pipeline
-group), so no process ever sees another stage's layer costs but the boundary layers a neighbour shows (and, in
+previous and the next process of its pipeline and receives theirs (``dist.batch_isend_irecv`` on the pipeline's CPU
+control group: cards are host data, and thousands of rounds must not each copy to a GPU and read back), so no
+process ever sees another stage's layer costs but the boundary layers a neighbour shows (and, in
 sweep mode, sums over runs of a stage's layers: at most ``2 P - 1`` of them for the whole model). The stages
 end in the same round by themselves; the one collective is a termination check on one scalar (the round count,
 all-reduced with ``MAX``), which turns a disagreement into an error instead of a hang.
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dynmo_lightning.balance.diffusion import Card, DiffusionStage, StageOutcome
-from dynmo_lightning.pipeline.layout import PipelineGroup
+from dynmo_lightning.pipeline.layout import PipelineGroup, group_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +46,12 @@ class NeighbourStats:
         return [o.size for o in self.outcome]
 
 
-def run_stage(stage: DiffusionStage, pipe: PipelineGroup, device: torch.device) -> NeighbourStats:
+def run_stage(stage: DiffusionStage, pipe: PipelineGroup) -> NeighbourStats:
     """Drive this process's ``stage`` to the end, exchanging cards with the pipeline neighbours (collective).
 
     Args:
         stage: this process's protocol stage (its index is the pipeline rank).
-        pipe: the pipeline.
-        device: where the card tensors live (the process group's device).
+        pipe: the pipeline (the cards go over its control group).
 
     Returns:
         The outcome and what the run cost.
@@ -61,7 +61,8 @@ def run_stage(stage: DiffusionStage, pipe: PipelineGroup, device: torch.device) 
     """
     if stage.stage != pipe.rank or stage.n_stages != pipe.size:
         raise ValueError(f"stage {stage.stage} of {stage.n_stages} does not run on pipeline rank {pipe.rank}")
-    t0 = time.perf_counter()
+    t0, group = time.perf_counter(), pipe.control
+    device = group_device(torch.device("cpu"), group)
     peers = [pipe.global_rank(r) if 0 <= r < pipe.size else None for r in (pipe.rank - 1, pipe.rank + 1)]
     width = stage.card_floats
     sent = 0
@@ -71,14 +72,14 @@ def run_stage(stage: DiffusionStage, pipe: PipelineGroup, device: torch.device) 
         ops = []
         for peer, buffer in zip(peers, inbox, strict=True):
             if peer is not None and buffer is not None:
-                ops += [dist.P2POp(dist.isend, out, peer, pipe.group), dist.P2POp(dist.irecv, buffer, peer, pipe.group)]
+                ops += [dist.P2POp(dist.isend, out, peer, group), dist.P2POp(dist.irecv, buffer, peer, group)]
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
         sent += 8 * width * (len(ops) // 2)
         left, right = (_card(buffer, stage.width, stage.slots) for buffer in inbox)
         stage.step(left, right)
     rounds = torch.tensor([float(stage.rounds)], dtype=torch.float64, device=device)
-    dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=pipe.group)  # the one collective: a termination check
+    dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=group)  # the one collective: a termination check
     if int(rounds.item()) != stage.rounds:
         raise RuntimeError(f"pipeline rank {pipe.rank} ended diffusion after {stage.rounds} rounds, another later")
     assert stage.outcome is not None

@@ -19,7 +19,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from dynmo_lightning import balance
 from dynmo_lightning.pipeline import elastic, groups, release
 from dynmo_lightning.pipeline.elastic import ElasticWorld
-from dynmo_lightning.pipeline.layout import ReplicaLayout
+from dynmo_lightning.pipeline.layout import Mesh, ReplicaLayout
 from dynmo_lightning.pipeline.migration import MigrationStats
 from dynmo_lightning.pipeline.runtime import StagePlan
 
@@ -33,6 +33,7 @@ class ResizeMixin:
     _batch_size: int | None
     partitions: list[dict[str, Any]]
     num_nodes: int
+    _mesh: Mesh | None
 
     @property
     def pipeline_nodes(self) -> list[Any] | None:
@@ -72,7 +73,7 @@ class ResizeMixin:
             release_to: told of the release by rank 0 of the new world (e.g. to shrink the Slurm allocation); the
                 environment it returns is applied on every survivor. Its failure is logged, never raised.
         """
-        assert self._stages and self._layout and self.cluster_environment and self.lightning_module is not None
+        assert self._stages and self._layout and self._mesh and self.cluster_environment and self.lightning_module
         groups.check_shrink(keep_ranks, on_release, self.stages_per_rank)
         lps = balance.validate_partition(layers_per_stage, self.n_layers, len(keep_ranks))
         # Every process must derive the same new layout: agree on the batch size it splits first.
@@ -81,7 +82,7 @@ class ResizeMixin:
         # Rank 0 opens the new world's stores now, on ports no other process can take before they are used.
         stores, ports = groups.host_stores(3, self.cluster_environment.main_address, self._timeout)
         with self._phase(f"consolidation onto pipeline ranks {keep_ranks} (layer migration and copies)"):
-            stats = self._stages.pack(keep_ranks, lps, copies, self.optimizers, self.global_rank)
+            stats = self._stages.pack(keep_ranks, lps, copies, self.optimizers, self._mesh.control)
         with self._phase("consolidation (end of the old process group)"):
             dist.barrier()
         self._stop_watchdog()  # the old world's heartbeats end with it (released processes fall silent on purpose)

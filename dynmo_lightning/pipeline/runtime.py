@@ -7,8 +7,14 @@ Activation shapes are discovered by a *probe*: the first micro-batch is pushed t
 with the real layers (under :func:`~dynmo_lightning.protocol.probing`, with the RNG state forked), and the observed
 input/output shapes, dtypes and ``requires_grad`` flags are handed to ``PipelineStage`` as static metadata. Static
 metadata makes the schedule skip its own runtime inference, which would run extra forward and backward passes through
-the user's layers on every (re)build and every train/eval switch. Training and evaluation keep separate stage and
-schedule objects, so switching between them never re-initialises either.
+the user's layers on every (re)build and every train/eval switch. The probe carries real activations from stage to
+stage (device to device, their shapes on the CPU control group): what a dynamic layer returns may depend on the
+values it gets (early exit's active-token mask decides which branch runs and whether an auxiliary loss needs
+gradients), so a stand-in of zeros could record other metadata.
+
+Training and evaluation keep separate metadata, each probed once until the layers change. Evaluation stages and
+schedules are built when an evaluation runs and dropped when training resumes: they hold a receive buffer per
+micro-batch.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.nn.parallel import DistributedDataParallel
 
+from dynmo_lightning.pipeline import transport
 from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.profiling import LayerProfiler
@@ -127,6 +134,7 @@ class PipelineRuntime:
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self._built: dict[bool, tuple[Any, list[PipelineStage]]] = {}
+        self._metas: dict[bool, list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]] = {}
         #: Data-parallel replicas of this pipeline (their process group), set by the strategy; ``None``: one replica.
         self.replicas: dist.ProcessGroup | None = None
         # What the training stages were wrapped for: the replica group and each stage's trainable parameters.
@@ -174,8 +182,9 @@ class PipelineRuntime:
         self.invalidate()
 
     def invalidate(self) -> None:
-        """Forget built stages and schedules (layers or their shapes changed); rebuilt lazily on the next step."""
+        """Forget built stages, schedules and metadata (layers or their shapes changed); rebuilt on the next step."""
         self._built.clear()
+        self._metas.clear()
 
     def stage_modules(self) -> list[StageModule]:
         """The modules of this rank's stages, built from the currently installed layers."""
@@ -194,8 +203,11 @@ class PipelineRuntime:
         merged last-stage output.
         """
         inputs = as_tuple(inputs)
-        if train and train in self._built and self._wrapped_for != self._wrap_key():
-            del self._built[train]  # the replicas or the trainable parameters changed: new DDP wrappers
+        if train:
+            self._built.pop(False, None)  # evaluation is over: free its stages' receive buffers
+            if train in self._built and self._wrapped_for != self._wrap_key():
+                # The replicas or the trainable parameters changed: new DDP wrappers (and requires_grad flags).
+                del self._built[train], self._metas[train]
         if train not in self._built:
             self._built[train] = self._build(inputs, target, train)
         schedule, _ = self._built[train]
@@ -216,7 +228,9 @@ class PipelineRuntime:
         # Buffers made here are reused by every later step; inference tensors would break in-place receives
         # outside inference mode, so build with inference mode off.
         with torch.inference_mode(False):
-            metas = self._probe(inputs, train)
+            if train not in self._metas:
+                self._metas[train] = self._probe(inputs, train)
+            metas = self._metas[train]
             stages = [
                 PipelineStage(
                     self._wrap(module) if train else module,
@@ -259,6 +273,7 @@ class PipelineRuntime:
             broadcast_buffers=False,
             find_unused_parameters=True,
             init_sync=False,
+            gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy of every gradient
         )
 
     def _wrap_key(self) -> tuple[Any, list[list[int]]]:
@@ -271,29 +286,24 @@ class PipelineRuntime:
     def _probe(self, inputs: tuple[Any, ...], train: bool) -> list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]:
         """Push the first micro-batch through all stages in order and record each local stage's tensor metadata.
 
-        Stages on other ranks receive the activations with ``send_object_list`` (a one-off, CPU-pickled transfer).
+        A stage on another rank gets the activations' shapes, dtypes and ``requires_grad`` flags on the control group
+        and the activations themselves device to device (:mod:`~dynmo_lightning.pipeline.transport`).
         Returns, per local stage, (input metas, output metas) as meta-device tensors carrying ``requires_grad``.
         """
         first_mb = split_args_kwargs_into_chunks(inputs, None, self.n_microbatches)[0][0]
         modules = dict(zip(self.local_stages, self.stage_modules(), strict=True))
-        object_device = self.device if self.device.type == "cuda" else None
-        group = self.pipe.group
         metas = []
         carry: tuple[Tensor, ...] | None = None
         grad_ctx = torch.enable_grad if train else torch.no_grad
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), probing():
-            for stage in range(self.plan.n_stages):
-                if self.plan.rank_of_stage(stage) != self.rank:
-                    continue
+            for stage in self.local_stages:
                 if stage == 0:
                     x = tuple(t.to(self.device) for t in first_mb)
                 elif self.plan.rank_of_stage(stage - 1) == self.rank:
                     x = carry
                 else:
-                    received: list[Any] = [None]
-                    dist.recv_object_list(received, src=self._global(stage - 1), group=group, device=object_device)
-                    x = tuple(t.to(self.device).requires_grad_(rg and train) for t, rg in received[0])
+                    x = self._recv_activations(stage - 1, train)
                 with grad_ctx():
                     out = as_tuple(modules[stage](*x))
                 metas.append((tuple(_meta(t) for t in x), tuple(_meta(t) for t in out)))
@@ -302,9 +312,20 @@ class PipelineRuntime:
                 if self.plan.rank_of_stage(stage + 1) == self.rank:
                     carry = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
                 else:
-                    payload = [tuple((t.detach().cpu(), t.requires_grad) for t in out)]
-                    dist.send_object_list(payload, dst=self._global(stage + 1), group=group, device=object_device)
+                    self._send_activations(out, stage + 1)
         return metas
+
+    def _send_activations(self, out: tuple[Tensor, ...], stage: int) -> None:
+        peer = self._global(stage)
+        transport.send_header([(t.dtype, tuple(t.shape), t.requires_grad) for t in out], peer, self.pipe)
+        transport.send_tensors([t.detach().contiguous() for t in out], peer, self.pipe)
+
+    def _recv_activations(self, stage: int, train: bool) -> tuple[Tensor, ...]:
+        peer = self._global(stage)
+        specs = transport.recv_header(peer, self.pipe)
+        x = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape, _ in specs]
+        transport.recv_tensors(x, peer, self.pipe)
+        return tuple(t.requires_grad_(rg and train) for t, (_, _, rg) in zip(x, specs, strict=True))
 
     def _global(self, stage: int) -> int:
         """Global rank of the process running ``stage`` (p2p calls address global ranks)."""

@@ -83,20 +83,21 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike[str], pipe:
     target = os.fspath(path)
     # One temporary directory for all stages, named by pipeline rank 0.
     tag = [uuid.uuid4().hex if pipe.rank == 0 else None]
-    dist.broadcast_object_list(tag, src=pipe.global_rank(0), group=pipe.group)
+    dist.broadcast_object_list(tag, src=pipe.global_rank(0), group=pipe.control)
     tmp = f"{target}.tmp-{tag[0]}"
-    dcp.save(_tensors(checkpoint), storage_writer=dcp.FileSystemWriter(tmp), process_group=pipe.group)
+    # DCP's own collectives exchange plans and metadata (host data): the control group carries them.
+    dcp.save(_tensors(checkpoint), storage_writer=dcp.FileSystemWriter(tmp), process_group=pipe.control)
     # Parameter groups: hyper-parameters and the names of every stage's parameters (names only, no tensors).
     groups = [{"format": NAMED_FORMAT, "state": {}, "param_groups": o["param_groups"]} for o in
               checkpoint.get("optimizer_states") or []]  # fmt: skip
     parts: list[Any] | None = [None] * pipe.size if pipe.rank == 0 else None
-    dist.gather_object(groups, parts, dst=pipe.global_rank(0), group=pipe.group)
+    dist.gather_object(groups, parts, dst=pipe.global_rank(0), group=pipe.control)
     if parts is not None:
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta["optimizer_states"] = [merge_named_optimizer_states([p[i] for p in parts]) for i in range(len(groups))]
         torch.save(meta, os.path.join(tmp, META))
         _replace(tmp, target)
-    dist.barrier(group=pipe.group)
+    dist.barrier(group=pipe.control)
 
 
 def _replace(tmp: str, target: str) -> None:

@@ -138,7 +138,7 @@ class LocalStages:
         self.runtime.replicas = replicas
         result = self.runtime.step(inputs, target, train=True)
         self.ties.reduce_grads(self.slots, self.plan, self.pipe.rank)
-        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.device)
+        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.pipe.device)
 
     def average_replicas(self, loss: Tensor, group: Any, n: int) -> None:
         """Average the logged loss and data-adapted buffers over ``n`` replicas (gradients: see :meth:`train`)."""
@@ -158,16 +158,16 @@ class LocalStages:
         self._pending = []
 
     def predict(self, inputs: Any, target: Tensor) -> Any:
-        """The last stage's outputs (on the CPU) on every process of the pipeline."""
+        """The last stage's outputs (on the CPU) on every process of the pipeline (over its CPU control group)."""
         result = self.runtime.step(inputs, target, train=False)
         payload = [move_data_to_device(result.output, "cpu") if self.runtime.has_last_stage else None]
-        dist.broadcast_object_list(payload, src=self.runtime.last_global_rank, group=self.pipe.group)
+        dist.broadcast_object_list(payload, src=self.runtime.last_global_rank, group=self.pipe.control)
         return payload[0]
 
     def evaluate(self, inputs: Any, target: Tensor) -> tuple[Tensor, StepResult]:
         """Forward of every micro-batch; the loss on every process, and the last stage's outputs there."""
         result = self.runtime.step(inputs, target, train=False)
-        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.device), result
+        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.pipe.device), result
 
     def request_profile(self) -> None:
         """Profile the coming step (several callers may ask; the step is measured once)."""
@@ -199,8 +199,13 @@ class LocalStages:
 
     # ----------------------------------------------------------------------------------------------------------------
     def migrate(self, new: StagePlan, optimizers: Sequence[Optimizer]) -> MigrationStats:
-        """Move layers to partition ``new`` with all their state (collective over the pipeline)."""
-        stats = migrate(self.slots, optimizers, self.plan, new, pipe=self.pipe, device=self.device)
+        """Move layers to partition ``new`` with all their state (collective over the pipeline).
+
+        The built stages go first: their buffers (a receive buffer per micro-batch, DDP's gradient buckets) are not
+        held while layers travel.
+        """
+        self.runtime.invalidate()
+        stats = migrate(self.slots, optimizers, self.plan, new, pipe=self.pipe)
         self.ties.follow(self.slots, new, self.pipe.rank, optimizers)
         self.runtime.set_plan(new)
         return stats
@@ -211,13 +216,15 @@ class LocalStages:
         layers_per_stage: list[int],
         copies: list[tuple[int, int]],
         optimizers: Sequence[Optimizer],
-        global_rank: int,
+        job: Any,
     ) -> MigrationStats:
-        """Move every layer onto pipeline ranks ``keep_ranks`` and copy them to new replicas (before a restart)."""
+        """Move every layer onto pipeline ranks ``keep_ranks`` and copy them to new replicas (before a restart).
+
+        ``job`` is the CPU group of the whole job, over which the copies are agreed.
+        """
+        self.runtime.invalidate()  # as in :meth:`migrate`
         args = (self.slots, optimizers, self.plan, keep_ranks, layers_per_stage, copies)
-        stats = pack(*args, pipe=self.pipe, global_rank=global_rank, device=self.device)
-        self.runtime.invalidate()
-        return stats
+        return pack(*args, pipe=self.pipe, job=job)
 
     def adopt(self, plan: StagePlan, pipe: PipelineGroup, optimizers: Sequence[Optimizer]) -> None:
         """Run ``plan`` on ``pipe`` of a new world (layers already packed; the ties get new groups)."""
@@ -233,7 +240,7 @@ class LocalStages:
         """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once."""
         plan, rank = self.plan, self.pipe.rank
         named = list(self.module.named_parameters())
-        return reduce.param_norm(named, lambda n: self.ties.counted_here(n, plan, rank), self.pipe, self.device)
+        return reduce.param_norm(named, lambda n: self.ties.counted_here(n, plan, rank), self.pipe, self.pipe.device)
 
     def tie_layers(self, param: Tensor) -> set[int]:
         """Indices of all pipeline layers sharing ``param`` (a local parameter) in the unsplit model; empty if none."""

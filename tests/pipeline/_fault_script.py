@@ -38,10 +38,14 @@ if mode == "step" and rank == 2:
 
     layers.StageModule.forward = stalling_forward
 elif mode == "migration" and rank == 2:
-    from dynmo_lightning.pipeline import migration
+    import types
 
-    for name in ("_send_tensors", "_recv_tensors"):
-        setattr(migration, name, lambda *a, **k: stall())
+    from dynmo_lightning.pipeline import migration, transport
+
+    # Migration's tensors stall (after their header went); the shape probe's, through the same room, do not.
+    stalling = types.SimpleNamespace(**vars(transport))
+    stalling.send_tensors = stalling.recv_tensors = lambda *a, **k: stall()
+    migration.transport = stalling
 elif mode == "checkpoint" and rank == 0:
     from lightning.fabric.plugins import TorchCheckpointIO
 

@@ -34,3 +34,12 @@ def test_layers_move_with_attributes_buffers_flags_and_optimizer_state(tmp_path:
     assert r0["n_params"] == r0["opt_params"] == 2  # only layer 0 (weight, bias) is left on rank 0
     # weights in group 0, trainable biases none (frozen): every optimized parameter kept its group
     assert r1["checks"] == {"1.weight": 0, "2.weight": 0}
+    # Transient memory (the planner's numbers: parameters, buffers and optimizer state of the moved layers). The
+    # sender allocates only the coalescing buffer of its small tensors (and one byte each way to open the link) and
+    # no longer holds the outgoing layers' gradients; the receiver allocates the payload once, in its final memory,
+    # plus that buffer: no second copy of anything.
+    assert r0["payload"] == r1["payload"] > 4 * 128 * 128 * 3
+    assert r0["small"] <= r0["allocated"] <= r0["small"] + 2
+    assert r1["payload"] + r1["small"] <= r1["allocated"] <= r1["payload"] + r1["small"] + 2
+    assert any(r0["grads_before"]) and not any(r0["grads_at_commit"])
+    assert 0 <= r0["setup_s"] <= r0["seconds"] and 0 <= r1["setup_s"] <= r1["seconds"]

@@ -1,0 +1,47 @@
+"""What the runtime keeps between steps: evaluation stages only while an evaluation runs, metadata probed once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dynmo_lightning.pipeline.layers import LayerSlots
+from dynmo_lightning.pipeline.layout import PipelineGroup
+from dynmo_lightning.pipeline.runtime import PipelineRuntime, StagePlan
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_evaluation_stages_are_freed_when_training_resumes_and_rebuilt_without_a_probe(one_process_world, monkeypatch):
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(4, 8), nn.Linear(8, 2)])
+    runtime = PipelineRuntime(
+        LayerSlots(layers, list(layers)),
+        StagePlan((2,), 1),
+        pipe=PipelineGroup(0, None, [0]),
+        device=torch.device("cpu"),
+        schedule="gpipe",
+        n_microbatches=2,
+        loss_fn=lambda out, target: nn.functional.mse_loss(out, target),
+    )
+    probes: list[bool] = []
+    probe = runtime._probe
+    monkeypatch.setattr(runtime, "_probe", lambda inputs, train: probes.append(train) or probe(inputs, train))
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+
+    runtime.step(x, y, train=False)
+    evaluation = runtime._built[False][0]
+    runtime.step(x, y, train=True)
+    assert False not in runtime._built  # its receive buffers are not held while training
+    loss = runtime.step(x, y, train=False).loss
+    assert runtime._built[False][0] is not evaluation and probes == [False, True]  # rebuilt from its metadata
+    with torch.no_grad():
+        expected = torch.stack(
+            [nn.functional.mse_loss(layers[1](layers[0](x[i : i + 2])), y[i : i + 2]) for i in (0, 2)]
+        )
+    assert torch.equal(loss, expected.mean())
+
+    runtime.invalidate()  # layers changed: probe again
+    runtime.step(x, y, train=False)
+    assert probes == [False, True, False]
