@@ -10,6 +10,12 @@ and optionally
 
 - ``pipeline_split_batch(batch) -> (inputs, target)``: how a dataloader batch splits into the first layer's inputs
   and the loss target (default: ``batch`` is the pair ``(inputs, target)``).
+- ``pipeline_eval_step(output, target, stage)``: compute and ``self.log`` evaluation metrics of a batch from the last
+  layer's output (``stage``: ``"val"`` or ``"test"``). Under the strategy the module's ``validation_step`` and
+  ``test_step`` are not called (it runs the pipeline and logs ``{stage}_loss`` itself); this hook runs on the last
+  stage and its logs are replayed on every process (``pipeline/evaluation.py``).
+- ``pipeline_unused_parameters()`` on any submodule: ``True`` if a step may leave some of its trainable parameters
+  without a gradient (data-parallel replicas then let DDP look for them).
 - ``pipeline_init_layer(index, layer)``: (re-)initialise the parameters of layer ``index`` in place. Used when layers
   are created on the meta device (Lightning's ``configure_model``) and materialised on their own stage only. Without
   it, every submodule's ``reset_parameters()`` is called.
@@ -222,6 +228,15 @@ def set_host_value(module: nn.Module, name: str, value: float) -> None:
     with torch.no_grad():
         buffer.fill_(value)
     module.__dict__.setdefault("_host_values", {})[name] = (buffer, buffer._version, float(value))
+
+
+def may_leave_parameters_unused(module: nn.Module) -> bool:
+    """Whether a step may leave some trainable parameters of ``module`` without a gradient.
+
+    A submodule says so with ``pipeline_unused_parameters() -> bool`` (an MoE layer running expert by expert); data
+    parallelism then lets DDP find them each step, which costs a graph search and a read of the device.
+    """
+    return any(callable(hook := getattr(m, "pipeline_unused_parameters", None)) and hook() for m in module.modules())
 
 
 def read_once(values: Sequence[Tensor | float]) -> list[float]:
@@ -514,8 +529,10 @@ class PipelineModule(L.LightningModule):
 
     Provides ``forward`` (all layers in order) and single-process ``training_step`` / ``validation_step`` /
     ``test_step`` that log ``train_loss``, ``val_loss`` and ``val_ppl`` (``test_*``), the names ``DynMoStrategy``
-    logs when it runs the same model as a pipeline. ``val_ppl`` (exp of the mean loss) is logged when targets are
-    integer class ids.
+    logs when it runs the same model as a pipeline. ``val_ppl`` (exp of the mean loss) is logged for token targets
+    (integer targets with a sequence dimension). Evaluation steps then call ``pipeline_eval_step(output, target,
+    stage)`` if the module defines it, as the strategy does on the last stage: one method logs a model's own metrics
+    with and without the pipeline.
     """
 
     def pipeline_layers(self) -> Sequence[nn.Module]:
@@ -540,10 +557,14 @@ class PipelineModule(L.LightningModule):
 
     def _eval_step(self, prefix: str, batch: Any) -> None:
         inputs, target = split_batch(self, batch)
-        loss = self.pipeline_loss(self(inputs), target)
+        output = self(inputs)
+        loss = self.pipeline_loss(output, target)
         self.log(f"{prefix}_loss", loss, prog_bar=True)
-        if not target.is_floating_point():
+        if not target.is_floating_point() and target.dim() >= 2:  # token targets: perplexity means something
             self.log(f"{prefix}_ppl", torch.exp(loss))
+        hook = getattr(self, "pipeline_eval_step", None)
+        if callable(hook):
+            hook(output, target, prefix)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """Single-process validation step."""

@@ -43,11 +43,12 @@ from dynmo_lightning.balance.diffusion import DiffusionStage
 from dynmo_lightning.pipeline import checkpoint as ckpt
 from dynmo_lightning.pipeline import groups, launcher, sharded
 from dynmo_lightning.pipeline.elastic import ElasticWorld
+from dynmo_lightning.pipeline.evaluation import PipelineEvaluation
 from dynmo_lightning.pipeline.layout import Mesh, PipelineGroup, ReplicaLayout, check_batch, make_mesh, shard_dataloader
 from dynmo_lightning.pipeline.migration import MigrationStats
 from dynmo_lightning.pipeline.neighbours import NeighbourStats, run_stage
 from dynmo_lightning.pipeline.precision import PipelinePrecision
-from dynmo_lightning.pipeline.reduce import GlobalNormClipping, last_stage_perplexity, replicas_in_sync
+from dynmo_lightning.pipeline.reduce import GlobalNormClipping, replicas_in_sync
 from dynmo_lightning.pipeline.resize import ResizeMixin
 from dynmo_lightning.pipeline.runtime import StagePlan, first_dim
 from dynmo_lightning.pipeline.stages import LocalStages
@@ -125,7 +126,10 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         self._layout: ReplicaLayout | None = None
         self._mesh: Mesh | None = None
         self._stages: LocalStages | None = None
-        self._eval_metrics: dict[str, Any] = {}
+        #: What evaluation steps log: loss, perplexity of token targets, the module's ``pipeline_eval_step``.
+        self._evaluation = PipelineEvaluation(
+            lambda: self._pipe, lambda: self._stages.runtime.has_last_stage, lambda: self._stages.runtime.last_rank
+        )
         self._shard_data: bool | None = None  # the Trainer's use_distributed_sampler (the strategy shards itself)
         #: Batch size the sampler delivered in the last training step (before a replica takes its part).
         self._batch_size: int | None = None
@@ -324,9 +328,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
                 stages.ties.check_shapes(stages.slots, stages.plan, self.pp_rank, self.optimizers)
         self.setup_precision_plugin()
         order = self._stages.split.param_order
-        self.precision_plugin.clip_by_norm = GlobalNormClipping(
-            order, self._stages.param_names, lambda: self._pipe, lambda: self._pipe.device
-        )
+        self.precision_plugin.clip_by_norm = GlobalNormClipping(order, self._stages.param_names, lambda: self._pipe)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -414,22 +416,8 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         inputs, target = self._batch(batch)
         with self._phase(f"{'validation' if prefix == 'val' else prefix} (pipeline forward)"):
             loss, result = self._stages.evaluate(inputs, target)
-        # Every process holds the same value; syncing makes Lightning's epoch mean explicit (and cheap).
-        log = {"on_step": False, "on_epoch": True, "batch_size": first_dim(inputs)}
-        self.lightning_module.log(f"{prefix}_loss", loss, prog_bar=True, sync_dist=True, **log)
-        if not target.is_floating_point():
-            # Over all target tokens of the epoch: only the last stage adds to the sums torchmetrics reduces.
-            metric = self._perplexity(prefix)
-            if self._stages.runtime.has_last_stage:
-                metric.update((result.output[0] if isinstance(result.output, tuple) else result.output).float(), target)
-            self.lightning_module.log(f"{prefix}_ppl", metric, metric_attribute=f"_dynmo_{prefix}_ppl", **log)
+            self._evaluation.log(self.lightning_module, prefix, loss, result.output, target, first_dim(inputs))
         return loss
-
-    def _perplexity(self, prefix: str) -> Any:
-        if prefix not in self._eval_metrics:
-            last = self._stages is not None and self._stages.runtime.has_last_stage
-            self._eval_metrics[prefix] = last_stage_perplexity(last, self.root_device)
-        return self._eval_metrics[prefix]
 
     # --- the whole model, for callbacks (collective; pipeline/stages.py, pipeline/reduce.py) -------------------------
     @property

@@ -53,7 +53,6 @@ def uniform(n_layers: int, n_stages: int) -> list[int]:
 
 def worker(out: Path, n_layers: int, repeats: int) -> None:
     """One rank of the real measurement (started by :func:`real`)."""
-    import torch
     import torch.distributed as dist
 
     from dynmo_lightning.balance import bottleneck, partition
@@ -72,7 +71,7 @@ def worker(out: Path, n_layers: int, repeats: int) -> None:
         for mode in MODES:
             stage = start_stages(own, mode=mode)[rank]  # this rank's stage only: it knows its own layers
             dist.barrier()
-            stats[mode] = run_stage(stage, pipe, torch.device("cpu"))
+            stats[mode] = run_stage(stage, pipe)
             seconds[mode].append(stats[mode].seconds)
         dist.barrier()
         t0 = time.perf_counter()

@@ -60,8 +60,8 @@ from dynmo_lightning.data import VOCAB_SIZE, StdlibCharDataModule
 from dynmo_lightning.launch import fresh_world, run_ranks
 from dynmo_lightning.models import GPT
 from dynmo_lightning.models.blocks import Block
-from dynmo_lightning.pipeline.migration import _add_to_optimizers, _optimizer_entries, _pack, _unpack
-from dynmo_lightning.profiling import _Clock
+from dynmo_lightning.pipeline.migration import add_to_optimizers, pack_layers, unpack_layers
+from dynmo_lightning.profiling import DeviceClock
 
 MICROBATCHES = 2
 #: The check's GPT (losses, dynamics, checkpoints) and the larger one whose step the profilers compare, by --quick.
@@ -102,9 +102,9 @@ class Device:
         """The Trainer's ``accelerator``."""
         return "gpu" if self.cuda else "cpu"
 
-    def clock(self) -> _Clock:
+    def clock(self) -> DeviceClock:
         """The profiler's clock: CUDA events on a GPU (read after a synchronisation), ``perf_counter`` on CPU."""
-        return _Clock(torch.device(self.name))
+        return DeviceClock(torch.device(self.name))
 
     def autocast_bf16(self) -> AbstractContextManager:
         """bf16 autocast, as ``precision="bf16-mixed"`` runs a step."""
@@ -462,12 +462,12 @@ def _migrated_step(check: Check, kind: str) -> dict[str, Any]:
         _gradients(block, x)
         optimizer.step()
     device = next(block.parameters()).device
-    blob, tensors = _pack({0: (block, _optimizer_entries(block, [optimizer]))}, device)
+    blob, tensors = pack_layers({0: block}, [optimizer], device)
     wire = [torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t) for t in tensors]  # as the receiver allocates
-    copy, entries = _unpack(blob, wire)[0]
+    copy, entries = unpack_layers(blob, wire)[0]
     # The receiver's optimizer already optimizes its own layers (here: placeholders without gradients).
     receiver = make(_groups([torch.nn.Parameter(torch.zeros(*shape, device=device)) for shape in ((2, 2), (2,))]))
-    _add_to_optimizers(copy, entries, [receiver])
+    add_to_optimizers(copy, entries, [receiver])
     state_arrived = _same(block, optimizer, copy, receiver)
     # One gradient for both copies: the check is the optimizer state's journey, not autograd's determinism.
     _gradients(block, x)

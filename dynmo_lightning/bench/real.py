@@ -33,7 +33,7 @@ from dynmo_lightning.callbacks import GradualPruning, LayerFreezing, TokenEarlyE
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.launch import backend_device, fresh_world
 from dynmo_lightning.models import GPT
-from dynmo_lightning.profiling import _Clock
+from dynmo_lightning.profiling import DeviceClock
 from dynmo_lightning.sim import simulate_layers
 
 
@@ -193,7 +193,7 @@ def measure_p2p(size_bytes: int, repeats: int = 20) -> dict[str, float]:
     host, so on a GPU CUDA events recorded around them are read after a synchronisation, never the host clock alone.
     """
     rank, device = dist.get_rank(), backend_device()
-    clock = _Clock(device)
+    clock = DeviceClock(device)
     results = {}
     for name, n in (("latency", 1), ("bandwidth", size_bytes // 4)):
         t = torch.zeros(n, device=device)

@@ -272,7 +272,7 @@ class DynMoBalancer(Callback):
         if decision.action == MIGRATE:
             stats = strategy.repartition(decision.proposed)
             migrate_s, moved = stats.seconds, stats.bytes_sent + stats.bytes_received
-            self.policy.record_migration(moved, stats.seconds)
+            self.policy.record_migration(moved, stats.transfer_seconds)  # without first-contact link set-up
         record = {
             "step": trainer.global_step,
             "current": decision.current,

@@ -120,6 +120,10 @@ class MoEMLP(nn.Module):
         total = int(self._assignments)
         return 1.0 - sum(self.tokens_per_expert) / total if total else 0.0
 
+    def pipeline_unused_parameters(self) -> bool:
+        """Experts without tokens get no gradient on the per-expert path (grouped, every expert gets one)."""
+        return not self.masks_on_device(next(self.parameters()))
+
     def masks_on_device(self, x: Tensor) -> bool:
         """Whether the experts run as grouped GEMMs on ``x`` here (then no host read, and masks work)."""
         if self.grouped is False or not hasattr(F, "grouped_mm"):

@@ -22,10 +22,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from dynmo_lightning.pipeline.evaluation import EVAL_HOOK
 from dynmo_lightning.pipeline.layout import check_batch
 from dynmo_lightning.pipeline.runtime import SCHEDULES
 from dynmo_lightning.pipeline.split import PARTITIONS, initial_partition
-from dynmo_lightning.protocol import JobShape, PreLaunchCheck, ProtocolError, check_protocol
+from dynmo_lightning.protocol import JobShape, PipelineModule, PreLaunchCheck, ProtocolError, check_protocol
 
 
 def check_arguments(
@@ -114,7 +115,11 @@ def check_backend(backend: str | None, devices: Sequence[torch.device]) -> None:
 
 
 def check_model(module: Any) -> None:
-    """Refuse a module that is not pipeline-ready, or that Lightning would refuse (no ``training_step``)."""
+    """Refuse a module the pipeline cannot train as it is.
+
+    Not pipeline-ready, no ``training_step`` (Lightning would refuse it), or evaluation steps of its own that the
+    pipeline would skip without a word.
+    """
     if not (callable(getattr(module, "pipeline_layers", None)) and callable(getattr(module, "pipeline_loss", None))):
         check_protocol(module)  # raises the explanatory ProtocolError
     if not is_overridden("training_step", module):
@@ -123,6 +128,17 @@ def check_model(module: Any) -> None:
             "the pipeline itself. Subclass dynmo_lightning.PipelineModule (it provides the steps from "
             "pipeline_layers/pipeline_loss, also for single-process runs) instead of LightningModule."
         )
+    base = PipelineModule if isinstance(module, PipelineModule) else pl.LightningModule
+    for step, stage in (("validation_step", "val"), ("test_step", "test")):
+        if is_overridden(step, module, parent=base) and not callable(getattr(module, EVAL_HOOK, None)):
+            raise ProtocolError(
+                f"{type(module).__name__} defines {step}, which DynMoStrategy never calls: it runs the pipeline "
+                f"and logs {stage}_loss itself ({stage}_ppl too for token targets). "
+                f"Compute the rest from the last layer's output in {EVAL_HOOK}(output, target, stage), which the "
+                "strategy calls on the last stage and logs on every process (docs/usage.md, 'Evaluation metrics'); "
+                f"call it from {step} for plain Lightning runs. If {step} logs only the loss, define an empty "
+                f"{EVAL_HOOK}."
+            )
 
 
 def layer_param_bytes(module: pl.LightningModule) -> list[int] | None:

@@ -158,7 +158,10 @@ def _optimizer_entries(layer: nn.Module, optimizers: Sequence[Optimizer]) -> dic
     return out
 
 
-def _add_to_optimizers(layer: nn.Module, entries: dict[str, tuple[int, int, dict]], optimizers: Sequence[Optimizer]):
+def add_to_optimizers(
+    layer: nn.Module, entries: dict[str, tuple[int, int, dict]], optimizers: Sequence[Optimizer]
+) -> None:
+    """Add a received layer's parameters, with their state, to the optimizer groups they came from."""
     params = dict(layer.named_parameters())
     for name, (o, g, state) in entries.items():
         p = params[name]
@@ -170,12 +173,30 @@ def _add_to_optimizers(layer: nn.Module, entries: dict[str, tuple[int, int, dict
             optimizers[o].state[p] = state
 
 
+def pack_layers(
+    layers: dict[int, nn.Module], optimizers: Sequence[Optimizer], device: torch.device
+) -> tuple[bytes, list[Tensor]]:
+    """What migration sends for ``layers``: the pickle (structure, optimizer entries) and the tensors on ``device``.
+
+    The round trip :func:`pack_layers` -> :func:`unpack_layers` is migration without the wire (the GPU check runs it
+    in one process).
+    """
+    return _pack({i: (m, _optimizer_entries(m, optimizers)) for i, m in layers.items()}, device)
+
+
+def unpack_layers(blob: bytes, tensors: list[Tensor]) -> dict[int, tuple[nn.Module, dict]]:
+    """The layers of a :func:`pack_layers` message over ``tensors`` (as received), with their optimizer entries.
+
+    :func:`add_to_optimizers` puts a layer's parameters and state into the receiver's optimizers.
+    """
+    return _unpack(blob, tensors)
+
+
 def _send_layers(
     slots: LayerSlots, optimizers: Sequence[Optimizer], indices: Sequence[int], peer: int, pipe: PipelineGroup
 ) -> int:
     """Send layers ``indices`` with their optimizer entries to global rank ``peer``; returns the bytes sent."""
-    payload = {i: (slots.get(i), _optimizer_entries(slots.get(i), optimizers)) for i in indices}
-    blob, tensors = _pack(payload, pipe.device)
+    blob, tensors = pack_layers({i: slots.get(i) for i in indices}, optimizers, pipe.device)
     transport.send_header((blob, [(t.dtype, tuple(t.shape)) for t in tensors]), peer, pipe)
     if tensors:
         transport.send_tensors(tensors, peer, pipe)
@@ -189,7 +210,7 @@ def _recv_layers(peer: int, pipe: PipelineGroup) -> tuple[dict[int, tuple[nn.Mod
     tensors = [torch.empty(shape, dtype=dtype, device=pipe.device) for dtype, shape in specs]
     if tensors:
         transport.recv_tensors(tensors, peer, pipe)
-    return _unpack(blob, tensors), len(blob) + sum(t.numel() * t.element_size() for t in tensors)
+    return unpack_layers(blob, tensors), len(blob) + sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _transfer(
@@ -224,7 +245,7 @@ def _install(slots: LayerSlots, received: dict[int, tuple[nn.Module, dict]], opt
     """Install received layers in layer order and add their parameters (with state) to the optimizers."""
     for i, (module, entries) in sorted(received.items()):
         slots.install(i, module)
-        _add_to_optimizers(module, entries, optimizers)
+        add_to_optimizers(module, entries, optimizers)
 
 
 def _leaving_params(slots: LayerSlots, leaving: set[int]) -> list[nn.Parameter]:

@@ -26,10 +26,10 @@ from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.profiling import LayerCost, static_memory
 
 
-def share_loss(loss: Tensor | None, pipe: PipelineGroup, last_rank: int, device: torch.device) -> Tensor:
-    """The last stage's loss on every process of the pipeline (``loss`` is ``None`` elsewhere)."""
-    out = loss.detach().float().clone() if loss is not None else torch.zeros((), device=device)
-    out = out.to(device)
+def share_loss(loss: Tensor | None, pipe: PipelineGroup, last_rank: int) -> Tensor:
+    """The last stage's loss on every process of the pipeline (``loss`` is ``None`` elsewhere), on ``pipe.device``."""
+    out = loss.detach().float().clone() if loss is not None else torch.zeros((), device=pipe.device)
+    out = out.to(pipe.device)
     dist.broadcast(out, src=pipe.global_rank(last_rank), group=pipe.group)
     return out
 
@@ -85,18 +85,15 @@ def replicas_in_sync(state: dict[str, Tensor], dp_group: dist.ProcessGroup | Non
     return bool(flag.item())
 
 
-def param_norm(
-    named: Sequence[tuple[str, Tensor]], counted: Callable[[str], bool], pipe: PipelineGroup, device: torch.device
-) -> float:
+def param_norm(named: Sequence[tuple[str, Tensor]], counted: Callable[[str], bool], pipe: PipelineGroup) -> float:
     """L2 norm (float64) of the whole model's parameters, each stage summing its own (collective over the pipeline).
 
     Args:
         named: this stage's ``(name, parameter)``.
         counted: whether this stage counts a parameter (a tied one is counted by one of its owners only).
-        pipe: the pipeline.
-        device: where the sum is reduced.
+        pipe: the pipeline (the sum is reduced on its device).
     """
-    sq = torch.zeros((), dtype=torch.float64, device=device)
+    sq = torch.zeros((), dtype=torch.float64, device=pipe.device)
     for name, p in named:
         if counted(name):
             sq += p.detach().to(torch.float64).square().sum()
@@ -115,24 +112,19 @@ class GlobalNormClipping:
     copies hold the same gradient and norm: the sum of ``k`` copies divided by ``k`` is exactly it.
 
     Which slots are filled (and by how many copies) is host data: every stage knows its own, and their sum goes over
-    a CPU process group (:attr:`host`), so picking the norms out needs no read of the device. The index tensors on
-    the device are made once per layout (the filled slots), not every step: in steady state a clipping step neither
-    copies from the host nor synchronises the device.
+    the pipeline's CPU control group (``pipe.control``), so picking the norms out needs no read of the device. The
+    index tensors on the device are made once per layout (the filled slots), not every step: in steady state a
+    clipping step neither copies from the host nor synchronises the device.
 
     Attributes:
         param_order: names of all parameters of the unsplit model, in its order.
         names: returns ``id(param) -> name`` in the unsplit model (a tie's copies share the canonical name).
-        pipe: returns this process's pipeline (it changes when the world shrinks).
-        device: returns the device collectives of this process run on.
-        host: returns a process group of the same pipeline whose collectives take CPU tensors (gloo), or ``None``
-            for the pipeline's own group (a CPU job).
+        pipe: returns this process's pipeline (it changes when the world shrinks): its groups and device.
     """
 
     param_order: list[str]
     names: Callable[[], dict[int, str]]
     pipe: Callable[[], PipelineGroup]
-    device: Callable[[], torch.device] = lambda: torch.device("cpu")
-    host: Callable[[], dist.ProcessGroup | None] = lambda: None
     _local: dict[tuple[tuple[int, ...], torch.device], Tensor] = dataclasses.field(default_factory=dict, repr=False)
     _global: dict[bytes, tuple[Tensor, Tensor | None]] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -150,7 +142,9 @@ class GlobalNormClipping:
                     trainable.append(p)
                     slots.append(g * n + position[names[id(p)]])
         params = [p for p in trainable if p.grad is not None]
-        size, pipe, device = len(optimizer.param_groups) * n, self.pipe(), self.device()
+        size = len(optimizer.param_groups) * n
+        pipe = self.pipe()
+        device = pipe.device
         # float64 holds any float32 norm, and k times it, exactly.
         table = torch.zeros(size, dtype=torch.float64, device=device)
         if params:
@@ -194,8 +188,7 @@ class GlobalNormClipping:
         filled = torch.zeros(size, dtype=torch.int32)
         if slots:
             filled.index_fill_(0, self._device_index(tuple(slots), torch.device("cpu")), 1)
-        host = self.host()
-        dist.all_reduce(filled, op=dist.ReduceOp.SUM, group=host if host is not None else pipe.group)
+        dist.all_reduce(filled, op=dist.ReduceOp.SUM, group=pipe.control)
         return filled.numpy()
 
     def _present(self, copies: Any, device: torch.device) -> tuple[Tensor, Tensor | None]:
@@ -232,7 +225,7 @@ def gather_costs(
         params, grads, optim = static_memory(slots.get(i), optimizer)
         mine[i] = {**dataclasses.asdict(cost), "param_bytes": params, "grad_bytes": grads, "optim_bytes": optim}
     parts: list[Any] = [None] * pipe.size
-    dist.all_gather_object(parts, mine, group=pipe.group)
+    dist.all_gather_object(parts, mine, group=pipe.control)  # host data: on the CPU group
     costs = {i: v for part in parts for i, v in part.items()}
     if replicas is not None:
         group, n = replicas

@@ -34,7 +34,7 @@ from dynmo_lightning.pipeline import transport
 from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.profiling import LayerProfiler
-from dynmo_lightning.protocol import as_tuple, probing
+from dynmo_lightning.protocol import as_tuple, may_leave_parameters_unused, probing
 
 #: Schedule names accepted by :class:`PipelineRuntime` (and ``DynMoStrategy(schedule=...)``).
 SCHEDULES: dict[str, type] = {
@@ -259,10 +259,12 @@ class PipelineRuntime:
 
         The schedule runs every micro-batch but the last under ``no_sync`` and lets DDP's reducer all-reduce bucket by
         bucket during the last backward (``PipelineStage.backward_maybe_with_nosync``), overlapping communication with
-        the rest of that backward, as DDP does for a single-stage model. Parameters a replica did not use (an expert
-        no token was routed to) count as zero there, as ``find_unused_parameters`` does, including those used only in
-        earlier micro-batches. Buffers are not broadcast (replicas average the ones they adapt, see ``reduce``), and
-        the replicas already hold equal weights, so the wrapper does not broadcast them either.
+        the rest of that backward, as DDP does for a single-stage model. Where a layer may leave parameters unused in
+        a step (an MoE layer computing expert by expert: an expert no token was routed to), they count as zero there,
+        as ``find_unused_parameters`` does, including those used only in earlier micro-batches; elsewhere DDP does not
+        search the graph for them (that search ends in a host read of the used-parameter map every step). Buffers are
+        not broadcast (replicas average the ones they adapt, see ``reduce``), and the replicas already hold equal
+        weights, so the wrapper does not broadcast them either.
         """
         if self.replicas is None or not any(p.requires_grad for p in module.parameters()):
             return module  # nothing to average (one replica, or a stage whose layers are all frozen)
@@ -271,7 +273,7 @@ class PipelineRuntime:
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             process_group=self.replicas,
             broadcast_buffers=False,
-            find_unused_parameters=True,
+            find_unused_parameters=may_leave_parameters_unused(module),
             init_sync=False,
             gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy of every gradient
         )

@@ -138,7 +138,7 @@ class LocalStages:
         self.runtime.replicas = replicas
         result = self.runtime.step(inputs, target, train=True)
         self.ties.reduce_grads(self.slots, self.plan, self.pipe.rank)
-        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.pipe.device)
+        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank)
 
     def average_replicas(self, loss: Tensor, group: Any, n: int) -> None:
         """Average the logged loss and data-adapted buffers over ``n`` replicas (gradients: see :meth:`train`)."""
@@ -167,7 +167,7 @@ class LocalStages:
     def evaluate(self, inputs: Any, target: Tensor) -> tuple[Tensor, StepResult]:
         """Forward of every micro-batch; the loss on every process, and the last stage's outputs there."""
         result = self.runtime.step(inputs, target, train=False)
-        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank, self.pipe.device), result
+        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank), result
 
     def request_profile(self) -> None:
         """Profile the coming step (several callers may ask; the step is measured once)."""
@@ -240,7 +240,7 @@ class LocalStages:
         """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once."""
         plan, rank = self.plan, self.pipe.rank
         named = list(self.module.named_parameters())
-        return reduce.param_norm(named, lambda n: self.ties.counted_here(n, plan, rank), self.pipe, self.pipe.device)
+        return reduce.param_norm(named, lambda n: self.ties.counted_here(n, plan, rank), self.pipe)
 
     def tie_layers(self, param: Tensor) -> set[int]:
         """Indices of all pipeline layers sharing ``param`` (a local parameter) in the unsplit model; empty if none."""

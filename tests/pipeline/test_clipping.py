@@ -3,7 +3,6 @@ host, bit-identical to torch's clip_grad_norm_; in steady state no host-to-devic
 
 from __future__ import annotations
 
-from datetime import timedelta
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,16 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dynmo_lightning.callbacks.syncs import counting_dispatch
-from dynmo_lightning.pipeline.groups import open_store
 from dynmo_lightning.pipeline.reduce import GlobalNormClipping
-
-
-@pytest.fixture
-def one_process_world():
-    store = open_store("127.0.0.1", timedelta(seconds=30), world_size=1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_clipping_is_bit_identical_to_torch_and_uses_one_tensor_all_reduce(one_process_world, monkeypatch):
@@ -36,9 +26,7 @@ def test_clipping_is_bit_identical_to_torch_and_uses_one_tensor_all_reduce(one_p
     head, tail = list(model.parameters())[:2], list(model.parameters())[2:]
     optimizer = torch.optim.SGD([{"params": head}, {"params": tail, "lr": 0.5}], lr=0.1)
     names = dict(model.named_parameters())
-    clip = GlobalNormClipping(
-        list(names), lambda: {id(p): n for n, p in names.items()}, lambda: SimpleNamespace(group=None)
-    )
+    clip = GlobalNormClipping(list(names), lambda: {id(p): n for n, p in names.items()}, lambda: _pipe())
     calls = []
     reduce = dist.all_reduce
     monkeypatch.setattr(dist, "all_gather_object", lambda *a, **k: pytest.fail("no pickled gather per step"))
@@ -51,14 +39,18 @@ def test_clipping_is_bit_identical_to_torch_and_uses_one_tensor_all_reduce(one_p
         assert torch.equal(a.grad, b.grad)
 
 
+def _pipe(device: str = "cpu") -> SimpleNamespace:
+    """A one-process pipeline: the default group for device and host data."""
+    return SimpleNamespace(group=None, control=None, device=torch.device(device))
+
+
 def _model_and_clip(device: str = "cpu"):
     model = nn.Sequential(nn.Linear(7, 13), nn.GELU(), nn.Linear(13, 5))
     names = dict(model.named_parameters())
     clip = GlobalNormClipping(
         list(names),
         lambda: {id(p): n for n, p in names.items()},
-        lambda: SimpleNamespace(group=None),
-        lambda: torch.device(device),
+        lambda: _pipe(device),
     )
     return model, clip
 
@@ -111,8 +103,6 @@ def test_clipping_keeps_every_tensor_on_the_gradients_device(monkeypatch):
         for p in params.values():
             p.grad = torch.empty_like(p)
         ids = {id(p): n for n, p in params.items()}
-        clip = GlobalNormClipping(
-            list(params), lambda: ids, lambda: SimpleNamespace(group=None), lambda: torch.device("cuda")
-        )
+        clip = GlobalNormClipping(list(params), lambda: ids, lambda: _pipe("cuda"))
         clip(torch.optim.SGD(params.values(), lr=0.1), 0.5)
         assert all(p.grad.device.type == "cuda" for p in params.values())
