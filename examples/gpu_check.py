@@ -413,12 +413,17 @@ class StepProfile(L.Callback):
             self._prof.__enter__()
             self._start = self._clock.now()
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """Close ``torch.profiler`` if the step failed (left open, it crashes the process at exit)."""
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            self._prof = None
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, b: Any, i: int) -> None:
         """Stop them; DynMo's per-micro-batch layer times, summed, times the micro-batches, against the other two."""
         if self._prof is None:
             return
         end = self._clock.now()
-        self._clock.sync()
         span = self._clock.elapsed(self._start, end)
         self._prof.__exit__(None, None, None)
         device_s, self._prof = self.device.profiled_seconds(self._prof), None

@@ -26,6 +26,9 @@ class _Event:
     def record(self) -> None:
         self.log.append("record")
 
+    def synchronize(self) -> None:
+        self.log.append("synchronize")  # waits until the device has reached this event
+
     def elapsed_time(self, end: _Event) -> float:
         assert self.log[-1] == "synchronize", "read the events before the device finished the transfers"
         return 2.0  # milliseconds
