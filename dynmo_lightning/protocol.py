@@ -182,6 +182,30 @@ def is_probing() -> bool:
     return _probing
 
 
+_on_host = False
+
+
+@contextlib.contextmanager
+def on_host() -> Iterator[None]:
+    """Mark work on host data only: CPU tensors of a CPU (gloo) process group, pickled control messages.
+
+    None of it reads or waits for the accelerator (under NCCL these groups never touch the device), so
+    ``HostSyncCounter`` counts what runs inside apart (``[host]``); on a CPU-only run it could not tell otherwise.
+    Only wrap code whose tensors are all made and kept on the host.
+    """
+    global _on_host
+    previous, _on_host = _on_host, True
+    try:
+        yield
+    finally:
+        _on_host = previous
+
+
+def is_on_host() -> bool:
+    """True inside :func:`on_host`."""
+    return _on_host
+
+
 _stage_memo: dict[str, Any] | None = None
 
 
@@ -213,13 +237,19 @@ def host_value(module: nn.Module, name: str) -> float:
     counter (bumped by every in-place write, ``load_state_dict`` included), so a forward reads the device only after
     something else wrote the buffer; :func:`set_host_value` writes without a read.
     """
+    if has_host_value(module, name):
+        return module.__dict__["_host_values"][name][2]
     buffer = getattr(module, name)
-    cached = module.__dict__.get("_host_values", {}).get(name)
-    if cached is not None and cached[0] is buffer and cached[1] == buffer._version:
-        return cached[2]
     value = float(buffer)  # the one read after an outside write
     module.__dict__.setdefault("_host_values", {})[name] = (buffer, buffer._version, value)
     return value
+
+
+def has_host_value(module: nn.Module, name: str) -> bool:
+    """Whether the host knows the current value of the scalar buffer ``module.<name>`` (no read would follow)."""
+    buffer = getattr(module, name)
+    cached = module.__dict__.get("_host_values", {}).get(name)
+    return cached is not None and cached[0] is buffer and cached[1] == buffer._version
 
 
 def set_host_value(module: nn.Module, name: str, value: float) -> None:
@@ -324,8 +354,12 @@ def all_gather(obj: Any, trainer: Any = None, *, replicas: bool = False) -> list
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return [[obj]] if replicas else [obj]
     out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
     control = pipeline_control(trainer) if trainer is not None else None
+    if control is not None:  # over the strategy's CPU group: pickles never staged on a GPU
+        with on_host():
+            torch.distributed.all_gather_object(out, obj, group=control.host_group)
+    else:
+        torch.distributed.all_gather_object(out, obj)
     layout = (control.replica_ranks if control is not None else None) or [list(range(len(out)))]
     by_replica = [[out[r] for r in ranks] for ranks in layout]
     return by_replica if replicas else by_replica[0]
@@ -427,6 +461,11 @@ class PipelineControl(Protocol):
     @property
     def replica_ranks(self) -> list[list[int]]:
         """Global ranks of every replica's pipeline, by pipeline rank."""
+        ...
+
+    @property
+    def host_group(self) -> Any:
+        """A CPU (gloo) group of the whole job for host data (``None``: the default group, a CPU group then)."""
         ...
 
     @property

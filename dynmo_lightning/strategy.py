@@ -222,6 +222,11 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         return self._layout.dp_rank(self.global_rank) if self._layout else self.global_rank // self.pp_size
 
     @property
+    def host_group(self) -> Any:
+        """The job's CPU (gloo) group for host data (``None``: the default group, which is gloo then)."""
+        return self._mesh.control if self._mesh is not None else None
+
+    @property
     def replica_ranks(self) -> list[list[int]]:
         """Global ranks of every replica's pipeline, by pipeline rank (the rows of :attr:`device_mesh`)."""
         return [list(ranks) for ranks in self._layout.replicas] if self._layout else []
@@ -379,7 +384,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         self._schedule_span = (clock, start, clock.now())
         if replicas is not None:
             with self._phase(f"training step {step} (loss and buffers over replicas)"):
-                self._stages.average_replicas(loss, replicas, self.dp_size)
+                self._stages.average_replicas(loss, replicas, self.dp_size, self._mesh.dp_control)
         self._stages.park_grads(params)  # Lightning zeroes gradients between `training_step` and `backward`
         module.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=first_dim(inputs))
         return loss

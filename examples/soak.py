@@ -35,7 +35,9 @@ from dynmo_lightning.launch import run_ranks, start_ranks
 from dynmo_lightning.models import GPT
 from dynmo_lightning.pipeline.sharded import load_whole
 
-EPOCH = 100  # steps per epoch: checkpoints at epoch ends resume with the exact data order
+EPOCH = 100  # steps per epoch (--epoch): checkpoints at epoch ends resume with the exact data order
+SAMPLE = 50  # steps between memory samples
+WARM = 200  # memory grows freely until this step (allocator warm-up)
 
 
 def rss_bytes() -> int:
@@ -48,15 +50,16 @@ def rss_bytes() -> int:
 
 
 class Record(L.Callback):
-    """Losses (rank 0), RSS every 50 steps (every rank), a marker file after ``mark_at`` steps."""
+    """Losses (rank 0), RSS every ``sample`` steps (every rank), a marker file after ``mark_at`` steps."""
 
-    def __init__(self, out: Path, mark_at: int | None) -> None:
+    def __init__(self, out: Path, mark_at: int | None, sample: int) -> None:
         self.out, self.mark_at, self.losses, self.rss, self.objects = out, mark_at, [], {}, {}
+        self.sample = sample
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
         step = trainer.global_step
-        if step % 50 == 0:
+        if step % self.sample == 0:
             self.rss[step] = rss_bytes()
             # Python objects alive: a leak grows them; allocator fragmentation grows the RSS only.
             self.objects[step] = len(gc.get_objects())
@@ -71,14 +74,14 @@ class Record(L.Callback):
             (self.out / "losses.json").write_text(json.dumps(self.losses))
 
 
-def worker(out: Path, steps: int, ckpt: str | None, mark_at: int | None) -> None:
+def worker(out: Path, steps: int, ckpt: str | None, mark_at: int | None, epoch: int) -> None:
     L.seed_everything(0)
-    record = Record(out, mark_at)
+    record = Record(out, mark_at, sample=min(SAMPLE, max(1, epoch // 2)))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
         max_steps=steps,
-        limit_train_batches=EPOCH,
+        limit_train_batches=epoch,
         strategy=DynMoStrategy(n_microbatches=4, heartbeat_timeout=30),
         logger=False,
         enable_progress_bar=False,
@@ -87,7 +90,7 @@ def worker(out: Path, steps: int, ckpt: str | None, mark_at: int | None) -> None
         callbacks=[
             TokenEarlyExit(threshold=0.8, warmup_steps=50, ramp_steps=100),
             DynMoBalancer(method="random", every_n_steps=10, warmup_steps=0),
-            ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=EPOCH),
+            ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=epoch),
             record,
         ],
     )
@@ -102,6 +105,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--out", default="soak.json")
     parser.add_argument("--dir", default="soak_runs")
+    parser.add_argument("--epoch", type=int, default=EPOCH, help="steps per epoch (and between checkpoints)")
     args = parser.parse_args()
     # glibc's default mmap threshold adapts upwards as large blocks are freed; the variable-size tensors of dynamic
     # techniques (early exit: a different number of active tokens every step) then fragment the heap and the RSS
@@ -110,7 +114,7 @@ def main() -> None:
     if os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072") == "":
         del os.environ["MALLOC_MMAP_THRESHOLD_"]
     base = Path(args.dir).resolve()
-    me = [sys.executable, str(Path(__file__).resolve()), "worker"]
+    me = [sys.executable, str(Path(__file__).resolve()), "worker", str(args.epoch)]
     report: dict = {"steps": args.steps, "world_size": args.world}
 
     t0 = time.time()  # 1. uninterrupted
@@ -127,7 +131,7 @@ def main() -> None:
     half = args.steps // 2  # 2. killed a little after the halfway checkpoint, from outside
     procs = start_ranks(
         args.world,
-        [*me, str(base / "killed"), str(args.steps), "-", str(half + EPOCH // 2)],
+        [*me, str(base / "killed"), str(args.steps), "-", str(half + args.epoch // 2)],
         log_dir=base / "killed",
         tag="killed",
     )
@@ -160,9 +164,10 @@ def main() -> None:
     growth = {}
     for r in range(args.world):
         rss = {int(k): v for k, v in json.loads((base / "full" / f"rss.rank{r}.json").read_text()).items()}
-        warm, end = rss[min(k for k in rss if k >= 200)], rss[max(rss)]
+        warm_step = min((k for k in rss if k >= min(WARM, args.steps // 5)), default=max(rss))
+        warm, end = rss[warm_step], rss[max(rss)]
         objects = {int(k): v for k, v in json.loads((base / "full" / f"objects.rank{r}.json").read_text()).items()}
-        warm_objects, end_objects = objects[min(k for k in objects if k >= 200)], objects[max(objects)]
+        warm_objects, end_objects = objects[warm_step], objects[max(objects)]
         growth[r] = {
             "after_warmup_MB": warm / 2**20,
             "end_MB": end / 2**20,
@@ -178,8 +183,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        out_dir, n, ckpt_arg, mark_arg = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+        epoch, out_dir, n, ckpt_arg, mark_arg = int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:7]
         out_dir.mkdir(parents=True, exist_ok=True)
-        worker(out_dir, n, None if ckpt_arg == "-" else ckpt_arg, None if mark_arg == "-" else int(mark_arg))
+        mark = None if mark_arg == "-" else int(mark_arg)
+        worker(out_dir, n, None if ckpt_arg == "-" else ckpt_arg, mark, epoch)
     else:
         main()

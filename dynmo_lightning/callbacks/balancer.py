@@ -149,7 +149,8 @@ class DynMoBalancer(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._bound = control = self._strategy(trainer)
-        self.pipeline_check_job(JobShape(trainer.world_size, control.pp_size, control.stages_per_rank, None))
+        world = control.pp_size * control.dp_size
+        self.pipeline_check_job(JobShape(world, control.pp_size, control.stages_per_rank, None))
 
     def pipeline_check_job(self, job: JobShape) -> None:
         """Refuse settings the job's size contradicts (the launching process calls this before any worker starts).

@@ -35,6 +35,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
+from dynmo_lightning.protocol import is_on_host
+
 #: The ``torch.Tensor`` methods that read a value on the host.
 SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__")
 
@@ -139,7 +141,7 @@ class HostSyncCounter(Callback):
             read methods' calls and the dispatch mode's operators, Lightning's and the optimizer's left out.
         dispatch_sites: per step, ``"kind name @ file:line" -> calls`` of every read and operator counted (``kind``:
             ``method``, ``read`` or ``host_data``), Lightning's and the optimizer's marked ``[lightning]`` and
-            ``[optimizer]``.
+            ``[optimizer]``, host-only work on CPU groups (``protocol.on_host``) ``[host]``.
     """
 
     def __init__(self, cuda: bool = False, dispatch: bool = True) -> None:
@@ -196,7 +198,12 @@ class HostSyncCounter(Callback):
     def _record(self, kind: str, op: str, site: str) -> None:
         if not self._active or self._in_method:
             return
-        owner = "[optimizer] " if self._in_optimizer else "[lightning] " if site.startswith(_LIGHTNING_DIR) else ""
+        if self._in_optimizer:
+            owner = "[optimizer] "
+        elif is_on_host():
+            owner = "[host] "  # host data on a CPU group: no device involved (protocol.on_host)
+        else:
+            owner = "[lightning] " if site.startswith(_LIGHTNING_DIR) else ""
         self._sites[f"{owner}{kind} {op} @ {site}"] += 1
         self._n_own += not owner
         self._n_dispatch += not owner and kind != "method"

@@ -260,6 +260,8 @@ class Mesh:
         control: the job's CPU (gloo) group of all processes (``None``: the default group, which is gloo then).
         layout: the layout the groups were made for.
         device_type: the processes' device type (of :attr:`device_mesh`).
+        dp_control: :attr:`dp_group`'s CPU (gloo) twin, for host data between replicas (``dp_group`` itself under
+            gloo; ``None`` with one replica).
     """
 
     pipeline: PipelineGroup
@@ -267,6 +269,7 @@ class Mesh:
     control: dist.ProcessGroup | None
     layout: ReplicaLayout
     device_type: str
+    dp_control: dist.ProcessGroup | None = None
 
     @functools.cached_property
     def device_mesh(self) -> Any:
@@ -320,17 +323,19 @@ def make_mesh(layout: ReplicaLayout, global_rank: int, timeout: timedelta, devic
         cpu = group if host else dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
         if global_rank in ranks:
             pp_group, pp_control = group, cpu
+    dp_control = None
     for stage in range(layout.pp_size) if d > 1 else []:
         ranks = layout.stage_ranks(stage)
         group = dist.new_group(ranks, timeout=timeout)
+        cpu = group if host else dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
         if global_rank in ranks:
-            dp_group = group
+            dp_group, dp_control = group, cpu
     dp = layout.dp_rank(global_rank)
     # One replica: the pipeline is the default group (as before data parallelism existed).
     pipeline = PipelineGroup(
         layout.pp_rank(global_rank), pp_group, list(layout.replicas[dp]), pp_control if d > 1 else control, wire
     )
-    return Mesh(pipeline, dp_group, control, layout, device.type)
+    return Mesh(pipeline, dp_group, control, layout, device.type, dp_control)
 
 
 def shard_dataloader(dataloader: Any, shard: int, n_shards: int, seed: int) -> Any:

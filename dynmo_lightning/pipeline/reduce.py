@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.profiling import LayerCost, static_memory
+from dynmo_lightning.protocol import has_host_value, host_value, on_host, set_host_value
 
 
 def share_loss(loss: Tensor | None, pipe: PipelineGroup, last_rank: int) -> Tensor:
@@ -40,21 +41,34 @@ def average_loss(loss: Tensor, group: dist.ProcessGroup, n: int) -> None:
     loss.div_(n)
 
 
-def sync_replica_buffers(slots: LayerSlots, group: dist.ProcessGroup, n: int) -> None:
+def sync_replica_buffers(
+    slots: LayerSlots, group: dist.ProcessGroup, n: int, host_group: dist.ProcessGroup | None
+) -> None:
     """Average the floating-point buffers that differ between replicas (exactly kept where they are equal).
 
     Dynamic layers adapt buffers to the data they see (e.g. a sparse attention's density): without this, the
-    replicas would drift apart; with it they follow the mean, as one replica seeing the global batch would. One
-    all-gather of every replica's buffers (float64: exact for every floating dtype); min, max and sum over the
-    replicas are taken on the device, in replica order, so every replica computes the same values, and nothing is
-    read on the host.
+    replicas would drift apart; with it they follow the mean, as one replica seeing the global batch would. Nothing
+    is read on the host:
+
+    - a scalar buffer whose value the host knows (``protocol.set_host_value``: thresholds, capacities, densities) is
+      averaged on the host, over ``host_group`` (its CPU twin), and written back with its host value, so the next
+      forward does not read it;
+    - every other buffer goes in one all-gather over ``group`` (float64: exact for every floating dtype); min, max
+      and sum over the replicas are taken on the device, in replica order, so every replica computes the same.
     """
-    buffers = [
-        t
-        for i in slots.local_indices()
-        for t in slots.get(i).state_dict(keep_vars=True).values()
-        if not isinstance(t, nn.Parameter) and t.is_floating_point()
-    ]
+    mirrored: list[tuple[nn.Module, str]] = []
+    buffers: list[Tensor] = []
+    for i in slots.local_indices():
+        for module in slots.get(i).modules():
+            for name, t in module.named_buffers(recurse=False):
+                if t is None or not t.is_floating_point() or name in module._non_persistent_buffers_set:
+                    continue
+                if has_host_value(module, name):
+                    mirrored.append((module, name))
+                else:
+                    buffers.append(t)
+    if mirrored:
+        _average_host_values(mirrored, host_group, n)
     if not buffers:
         return
     flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
@@ -67,6 +81,18 @@ def sync_replica_buffers(slots: LayerSlots, group: dist.ProcessGroup, n: int) ->
         for b in buffers:
             b.copy_(merged[start : start + b.numel()].view_as(b))
             start += b.numel()
+
+
+def _average_host_values(mirrored: list[tuple[nn.Module, str]], group: dist.ProcessGroup | None, n: int) -> None:
+    """Host-known scalar buffers: the replicas' values gathered on the host, averaged where they differ."""
+    mine = [host_value(module, name) for module, name in mirrored]
+    every: list[Any] = [None] * n
+    with on_host():
+        dist.all_gather_object(every, mine, group=group)
+    for k, (module, name) in enumerate(mirrored):
+        values = [part[k] for part in every]
+        if min(values) != max(values):
+            set_host_value(module, name, math.fsum(values) / n)  # the same float on every replica
 
 
 def replicas_in_sync(state: dict[str, Tensor], dp_group: dist.ProcessGroup | None, dp_size: int, device: Any) -> bool:
@@ -185,7 +211,7 @@ class GlobalNormClipping:
 
     def _copies(self, slots: list[int], size: int, pipe: PipelineGroup) -> Any:
         """How many stages fill each slot (a NumPy array): the stages' slots summed over the host group."""
-        filled = torch.zeros(size, dtype=torch.int32)
+        filled = torch.zeros(size, dtype=torch.int32)  # host data, summed on the CPU group
         if slots:
             filled.index_fill_(0, self._device_index(tuple(slots), torch.device("cpu")), 1)
         dist.all_reduce(filled, op=dist.ReduceOp.SUM, group=pipe.control)
@@ -225,7 +251,8 @@ def gather_costs(
         params, grads, optim = static_memory(slots.get(i), optimizer)
         mine[i] = {**dataclasses.asdict(cost), "param_bytes": params, "grad_bytes": grads, "optim_bytes": optim}
     parts: list[Any] = [None] * pipe.size
-    dist.all_gather_object(parts, mine, group=pipe.control)  # host data: on the CPU group
+    with on_host():  # host data: on the CPU group
+        dist.all_gather_object(parts, mine, group=pipe.control)
     costs = {i: v for part in parts for i, v in part.items()}
     if replicas is not None:
         group, n = replicas

@@ -140,10 +140,13 @@ class LocalStages:
         self.ties.reduce_grads(self.slots, self.plan, self.pipe.rank)
         return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank)
 
-    def average_replicas(self, loss: Tensor, group: Any, n: int) -> None:
-        """Average the logged loss and data-adapted buffers over ``n`` replicas (gradients: see :meth:`train`)."""
+    def average_replicas(self, loss: Tensor, group: Any, n: int, host_group: Any) -> None:
+        """Average the logged loss and data-adapted buffers over ``n`` replicas (gradients: see :meth:`train`).
+
+        ``host_group`` is ``group``'s CPU twin (host values of buffers are averaged there).
+        """
         reduce.average_loss(loss, group, n)
-        reduce.sync_replica_buffers(self.slots, group, n)
+        reduce.sync_replica_buffers(self.slots, group, n, host_group)
 
     def park_grads(self, params: Sequence[Tensor]) -> None:
         """Take the gradients off ``params`` until :meth:`restore_grads` (Lightning zeroes them in between)."""

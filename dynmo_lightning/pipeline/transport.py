@@ -20,6 +20,7 @@ from torch import Tensor
 
 from dynmo_lightning.pipeline.layout import PipelineGroup, group_device
 from dynmo_lightning.profiling import DeviceClock
+from dynmo_lightning.protocol import on_host
 
 #: Tensors smaller than this travel together in one byte buffer; a message each would cost more than the copy.
 COALESCE_BELOW = 64 * 1024
@@ -39,21 +40,24 @@ _NATIVE = {
 
 def send_header(obj: Any, peer: int, pipe: PipelineGroup) -> None:
     """Send picklable host data to global rank ``peer`` over the control group."""
-    dist.send_object_list([obj], dst=peer, group=pipe.control)
+    with on_host():
+        dist.send_object_list([obj], dst=peer, group=pipe.control)
 
 
 def recv_header(peer: int, pipe: PipelineGroup) -> Any:
     """Receive what :func:`send_header` sent from global rank ``peer``."""
     box: list[Any] = [None]
-    dist.recv_object_list(box, src=peer, group=pipe.control)
+    with on_host():
+        dist.recv_object_list(box, src=peer, group=pipe.control)
     return box[0]
 
 
 def all_agree(ok: bool, group: dist.ProcessGroup | None) -> bool:
     """Whether every process of the CPU ``group`` says ``ok`` (phase one of a two-phase change; collective)."""
-    flag = torch.tensor([1 if ok else 0], device=group_device(torch.device("cpu"), group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+    with on_host():
+        flag = torch.tensor([1 if ok else 0], device=group_device(torch.device("cpu"), group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
 
 
 def _nbytes(t: Tensor) -> int:

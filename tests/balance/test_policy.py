@@ -75,6 +75,7 @@ class TraceStrategy:
     layers_per_stage = property(lambda self: list(self._split))
     layer_param_counts = property(lambda self: [1] * self.n_layers)
     replica_ranks = property(lambda self: [list(range(len(self._split)))])
+    host_group = property(lambda self: None)
     pipeline_nodes = property(lambda self: None)
     waiting = property(lambda self: 0)
     releases: list[dict[str, Any]] = []
