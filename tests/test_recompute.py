@@ -90,6 +90,18 @@ def test_good_settings_are_accepted_at_construction():
         assert DynMoStrategy(activation_checkpointing=setting).activation_checkpointing is setting
 
 
+@pytest.mark.parametrize(("override", "setting"), [("null", None), ("all", "all"), ("2", 2)])
+def test_the_hydra_key(override, setting):
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from dynmo_lightning.cli import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"strategy.activation_checkpointing={override}", "run_dir=/tmp/x"])
+    assert instantiate(cfg.strategy).activation_checkpointing == setting
+
+
 # --- exactness and where recomputation happens --------------------------------------------------------------------
 def test_recomputed_training_is_bit_identical_with_dropout():
     model = _gpt(dropout=0.2)

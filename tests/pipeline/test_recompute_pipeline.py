@@ -7,6 +7,7 @@ checkpointed layers keep only their inputs, wherever the layers ran.
 - freezing (a frozen prefix runs without autograd: nothing to recompute), with dropout (the recomputation draws
   the same masks);
 - adaptive sparse attention (a recomputation that counted its coverage again would move the densities);
+- early exit again under interleaved 1F1B (two stages per process);
 - and, apart, two data-parallel replicas of a one-stage pipeline with Mixture of Experts: DDP averages gradients
   while backward recomputes, and searches for experts no token reached.
 """
@@ -25,14 +26,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 #: the profile's layers left before it was read).
 STEPS = ["trainer.max_steps=30", "profile.trace=true", "profile.every_n_steps=3"]
 RANDOM = ["balancer=optimal", "balancer.method=random", "balancer.every_n_steps=3", "balancer.warmup_steps=0"]
+EXIT = ["dynamics=early_exit", "dynamics.warmup_steps=5", "dynamics.ramp_steps=5", "dynamics.threshold=0.6",
+        "+dynamics.sync=stage"]  # fmt: skip
 CASES = {
-    "exit": ["dynamics=early_exit", "dynamics.warmup_steps=5", "dynamics.ramp_steps=5", "dynamics.threshold=0.6",
-             "+dynamics.sync=stage"],
+    "exit": EXIT,
     "freeze": [*FREEZE, "model.dropout=0.1"],
     "sparse": ["dynamics=sparse_attention", "dynamics.attn_block=8", "dynamics.target_coverage=0.8"],
-}  # fmt: skip
-#: Every layer in the first two cases, every second pipeline layer (blocks 0 and 2, the head) in the third.
-SETTINGS = {"exit": "all", "freeze": "all", "sparse": "2"}
+    # two stages per rank: each stage module recomputes its own layers, with its own memo
+    "interleaved": [*EXIT, "strategy.schedule=interleaved_1f1b", "strategy.stages_per_rank=2"],
+}
+#: Every second pipeline layer (blocks 0 and 2, the head) with sparse attention, every layer otherwise.
+SETTINGS = {"exit": "all", "freeze": "all", "sparse": "2", "interleaved": "all"}
 
 
 @pytest.fixture(scope="module")
