@@ -11,6 +11,11 @@ When a step is profiled, each stage runs its layers through :meth:`LayerProfiler
 * activation memory: bytes of the tensors autograd saves for backward inside each layer (``saved_tensors_hooks``),
   parameters excluded, per micro-batch.
 
+A layer under activation checkpointing (:mod:`~dynmo_lightning.recompute`) saves only its inputs, which are then its
+activation bytes; what its recomputation rebuilds in backward, one layer at a time, is counted apart
+(``recompute_bytes``). Its recomputation runs after the gradient reached the boundary after it and before it reaches
+the one before it, so the layer's backward time includes it.
+
 Values are per micro-batch (averaged over the step's micro-batches). Unprofiled steps run the layers untouched, so
 the overhead is paid only on sampled steps. :class:`~dynmo_lightning.balance.CostTracker` smooths the gathered
 measurements of all layers (median of the recent ones, then an exponential moving average); the balancer plans with
@@ -21,14 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from dynmo_lightning.protocol import as_tuple, call_layer
+from dynmo_lightning.recompute import checkpointed_call
 
 
 class DeviceClock:
@@ -62,11 +69,19 @@ class DeviceClock:
 
 @dataclasses.dataclass
 class LayerCost:
-    """Measured cost of one layer for one micro-batch (times in seconds, memory in bytes)."""
+    """Measured cost of one layer for one micro-batch (times in seconds, memory in bytes).
+
+    Attributes:
+        fwd: forward time.
+        bwd: backward time (with the recomputation of a checkpointed layer).
+        activation_bytes: bytes the layer keeps for backward while the micro-batch is in flight.
+        recompute_bytes: bytes a checkpointed layer's recomputation rebuilds during its backward (0 for the others).
+    """
 
     fwd: float
     bwd: float
     activation_bytes: int
+    recompute_bytes: int
 
 
 class LayerProfiler:
@@ -74,10 +89,11 @@ class LayerProfiler:
 
     Args:
         device: the device the layers run on (selects the clock).
+        clock: the clock to read instead of the device's (tests count time themselves).
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self._clock = DeviceClock(device)
+    def __init__(self, device: torch.device, clock: DeviceClock | None = None) -> None:
+        self._clock = clock if clock is not None else DeviceClock(device)
         self.active = False
         self._reset()
 
@@ -85,6 +101,7 @@ class LayerProfiler:
         self._calls = 0
         self._fwd: list[tuple[int, Any, Any]] = []
         self._act: dict[int, int] = defaultdict(int)
+        self._recompute: dict[int, int] = defaultdict(int)
         self._events: list[tuple[str, Any, Any]] = []
         self._hooks: list[Any] = []
         self._seen_layers: set[int] = set()
@@ -94,8 +111,11 @@ class LayerProfiler:
         self._reset()
         self.active = True
 
-    def run(self, layers: Sequence[nn.Module], first_index: int, x: Any) -> Any:
-        """Run one micro-batch through a stage's ``layers`` with instrumentation; returns the stage output."""
+    def run(self, layers: Sequence[nn.Module], first_index: int, x: Any, recompute: Container[int] = ()) -> Any:
+        """Run one micro-batch through a stage's ``layers`` with instrumentation; returns the stage output.
+
+        Layers whose global index is in ``recompute`` run checkpointed, as the stage runs them unprofiled.
+        """
         call = self._calls
         self._calls += 1
         for offset, layer in enumerate(layers):
@@ -103,22 +123,38 @@ class LayerProfiler:
             self._mark(x, (call, index))
             if not any(t.requires_grad for t in as_tuple(x) if isinstance(t, Tensor)):
                 self._watch_params(index, layer)
-            params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-            seen: set[int] = set()
-
-            def pack(t: Tensor, index: int = index, params: set[int] = params, seen: set[int] = seen) -> Tensor:
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in params and ptr not in seen:
-                    seen.add(ptr)
-                    self._act[index] += t.untyped_storage().nbytes()
-                return t
-
+            pack, observe = self._counters(index, layer)
             start = self._clock.now()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                x = call_layer(layer, x)
+                if index in recompute:
+                    x = checkpointed_call(layer, x, on_save=observe)
+                else:
+                    x = call_layer(layer, x)
             self._fwd.append((index, start, self._clock.now()))
         self._mark(x, (call, first_index + len(layers)))
         return x
+
+    def _counters(self, index: int, layer: nn.Module) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]:
+        """Count what layer ``index`` saves for backward: a pack hook, and an observer of a checkpoint's saves.
+
+        The pack hook adds to the activation bytes, the observer to the recompute bytes; each storage counts once
+        (a checkpointed layer's input is kept, not rebuilt), parameters never. Storages are told apart by identity,
+        not address: what a checkpoint saves is freed at once, and the next tensor may take its address.
+        """
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        seen: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+
+        def add(t: Tensor, into: dict[int, int]) -> None:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params and storage not in seen:
+                seen.add(storage)
+                into[index] += storage.nbytes()
+
+        def pack(t: Tensor) -> Tensor:
+            add(t, self._act)
+            return t
+
+        return pack, lambda t: add(t, self._recompute)
 
     def _mark(self, x: Any, key: tuple[int, int]) -> None:
         """Timestamp the gradient's arrival at boundary ``key = (call, layer whose input this is)``."""
@@ -155,7 +191,12 @@ class LayerProfiler:
             calls[index] += 1
         bwd = self._backward_times()
         result = {
-            i: LayerCost(fwd=fwd[i] / n, bwd=bwd.get(i, 0.0) / n, activation_bytes=self._act[i] // n)
+            i: LayerCost(
+                fwd=fwd[i] / n,
+                bwd=bwd.get(i, 0.0) / n,
+                activation_bytes=self._act[i] // n,
+                recompute_bytes=self._recompute[i] // n,
+            )
             for i, n in calls.items()
         }
         self._reset()

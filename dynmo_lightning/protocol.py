@@ -168,7 +168,11 @@ _probing = False
 
 @contextlib.contextmanager
 def probing() -> Iterator[None]:
-    """Mark a forward pass that only discovers activation shapes (not training): layers must not update statistics."""
+    """Mark a forward pass that must not count: layers must not update statistics.
+
+    Shape probes (they only discover activation shapes) and the recomputation of checkpointed layers in backward
+    (it repeats a forward already counted; :mod:`dynmo_lightning.recompute`) run under it.
+    """
     global _probing
     previous, _probing = _probing, True
     try:
@@ -548,9 +552,7 @@ def call_layer(layer: nn.Module, x: Any) -> Any:
     token embedding tied to the head learns through the head alone once the embedding is frozen).
     """
     call = (lambda: layer(*x)) if isinstance(x, tuple) else (lambda: layer(x))
-    if getattr(layer, "pipeline_frozen", False) and not any(
-        isinstance(t, Tensor) and t.requires_grad for t in as_tuple(x)
-    ):
+    if runs_without_autograd(layer, x):
         with torch.no_grad():
             return call()
     return call()
@@ -561,6 +563,13 @@ def run_layers(layers: Sequence[nn.Module], x: Any) -> Any:
     for layer in layers:
         x = call_layer(layer, x)
     return x
+
+
+def runs_without_autograd(layer: nn.Module, x: Any) -> bool:
+    """Whether :func:`call_layer` runs ``layer`` on ``x`` without autograd: it is frozen and ``x`` has no gradient."""
+    return getattr(layer, "pipeline_frozen", False) and not any(
+        isinstance(t, Tensor) and t.requires_grad for t in as_tuple(x)
+    )
 
 
 class PipelineModule(L.LightningModule):

@@ -55,6 +55,7 @@ from dynmo_lightning.pipeline.stages import LocalStages
 from dynmo_lightning.pipeline.watchdog import Watchdog
 from dynmo_lightning.profiling import DeviceClock
 from dynmo_lightning.protocol import split_batch
+from dynmo_lightning.recompute import Policy, checkpoint_policy
 
 
 class DynMoStrategy(ResizeMixin, ParallelStrategy):
@@ -85,6 +86,8 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         checkpoint_format: ``"sharded"`` (a directory: every stage writes its own layers with
             ``torch.distributed.checkpoint``, any width reads them), ``"single"`` (one file gathered on rank 0) or
             ``"auto"`` (sharded when the pipeline has more than one stage). Both formats load either way.
+        activation_checkpointing: recompute layers' activations in backward instead of keeping them: ``None`` (off),
+            ``"all"``, ``k`` (every k-th layer) or ``(index, layer) -> bool`` (docs/activation_checkpointing.md).
         checkpoint_io: set by the Trainer (wrapped to write atomically).
         precision_plugin: set by the Trainer (wrapped to clip by the norm over all stages).
     """
@@ -101,6 +104,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         timeout: timedelta | float = timedelta(minutes=5),
         heartbeat_timeout: float = 15.0,
         checkpoint_format: str = "auto",
+        activation_checkpointing: str | int | Policy | None = None,
         process_group_backend: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -110,8 +114,10 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         launcher.check_arguments(
-            n_microbatches, schedule, partition, stages_per_rank, data_parallel_size, heartbeat_timeout
-        )
+            n_microbatches, schedule, partition, stages_per_rank, data_parallel_size, heartbeat_timeout,
+            activation_checkpointing,
+        )  # fmt: skip
+        self.activation_checkpointing = activation_checkpointing
         self.n_microbatches, self.schedule, self.stages_per_rank = n_microbatches, schedule, stages_per_rank
         self.partition = partition if isinstance(partition, str) else [int(n) for n in partition]
         self.data_parallel_size = data_parallel_size
@@ -321,7 +327,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
             self._stages = LocalStages.from_module(
                 module, self.partition, self._pipe, self._tie_layout, stages_per_rank=self.stages_per_rank,
                 schedule=self.schedule, n_microbatches=self.n_microbatches, device=self.root_device,
-                timeout=self._timeout,
+                timeout=self._timeout, recompute=checkpoint_policy(self.activation_checkpointing),
             )  # fmt: skip
             self.partitions = [{"step": 0, "layers_per_stage": self.layers_per_stage}]
         self.precision_plugin.convert_module(module)

@@ -27,6 +27,7 @@ from dynmo_lightning.pipeline.layout import check_batch
 from dynmo_lightning.pipeline.runtime import SCHEDULES
 from dynmo_lightning.pipeline.split import PARTITIONS, initial_partition
 from dynmo_lightning.protocol import JobShape, PipelineModule, PreLaunchCheck, ProtocolError, check_protocol
+from dynmo_lightning.recompute import checkpoint_policy
 
 
 def check_arguments(
@@ -36,6 +37,7 @@ def check_arguments(
     stages_per_rank: Any,
     data_parallel_size: Any,
     heartbeat_timeout: float,
+    activation_checkpointing: Any = None,
 ) -> None:
     """Refuse bad ``DynMoStrategy`` arguments with a message naming the setting.
 
@@ -56,6 +58,7 @@ def check_arguments(
         raise ValueError(f"strategy.data_parallel_size={data_parallel_size!r} must be a positive integer")
     if heartbeat_timeout <= 0:
         raise ValueError(f"strategy.heartbeat_timeout={heartbeat_timeout} must be > 0 seconds")
+    checkpoint_policy(activation_checkpointing)
 
 
 def check_world(world_size: int, data_parallel_size: int) -> None:

@@ -9,12 +9,13 @@ every slot the layer occupies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch import nn
 
 from dynmo_lightning.profiling import LayerProfiler
-from dynmo_lightning.protocol import is_probing, run_layers, stage_forward
+from dynmo_lightning.protocol import call_layer, is_probing, stage_forward
+from dynmo_lightning.recompute import checkpointed_call
 
 
 class RemoteLayer(nn.Module):
@@ -46,22 +47,33 @@ class StageModule(nn.Module):
         layers: the stage's layers, in order.
         first_index: global index of the first layer.
         profiler: times the layers while it is active (not during shape probes).
+        recompute: global indices of the layers that run under activation checkpointing
+            (:mod:`~dynmo_lightning.recompute`): called through it, not wrapped, so the modules stay the model's.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], first_index: int, profiler: LayerProfiler | None = None) -> None:
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        first_index: int,
+        profiler: LayerProfiler | None = None,
+        recompute: Collection[int] = frozenset(),
+    ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.first_index = first_index
         self.profiler = profiler
+        self.recompute = frozenset(recompute)
 
     def forward(self, *args: object) -> object:
         """Run the stage's layers on the received activations."""
         x = args if len(args) != 1 else args[0]
         with stage_forward():
             if self.profiler is not None and self.profiler.active and not is_probing():
-                out = self.profiler.run(self.layers, self.first_index, x)
+                out = self.profiler.run(self.layers, self.first_index, x, self.recompute)
             else:
-                out = run_layers(self.layers, x)
+                out = x
+                for index, layer in enumerate(self.layers, self.first_index):
+                    out = checkpointed_call(layer, out) if index in self.recompute else call_layer(layer, out)
         # p2p sends need dense, contiguous tensors; a layer may legally return a view.
         if isinstance(out, tuple):
             return tuple(t.contiguous() for t in out)

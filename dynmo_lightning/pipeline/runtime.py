@@ -35,6 +35,7 @@ from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.profiling import LayerProfiler
 from dynmo_lightning.protocol import as_tuple, may_leave_parameters_unused, probing
+from dynmo_lightning.recompute import Policy
 
 #: Schedule names accepted by :class:`PipelineRuntime` (and ``DynMoStrategy(schedule=...)``).
 SCHEDULES: dict[str, type] = {
@@ -111,6 +112,8 @@ class PipelineRuntime:
         schedule: a key of :data:`SCHEDULES`.
         n_microbatches: micro-batches per step.
         loss_fn: ``(output, target) -> loss`` of one micro-batch (the module's ``pipeline_loss``).
+        recompute: which layers run under activation checkpointing (``None``: none); asked whenever stages are
+            built, so the answer follows each layer wherever it moves.
 
     """
 
@@ -124,8 +127,10 @@ class PipelineRuntime:
         schedule: str,
         n_microbatches: int,
         loss_fn: Callable[[Any, Tensor], Tensor],
+        recompute: Policy | None = None,
     ) -> None:
         self.profiler = LayerProfiler(device)
+        self.recompute = recompute
         self.slots = slots
         self.plan = plan
         self.pipe = pipe
@@ -191,7 +196,10 @@ class PipelineRuntime:
         modules = []
         for stage in self.local_stages:
             start, end = self.plan.bounds(stage)
-            modules.append(StageModule([self.slots.get(i) for i in range(start, end)], start, self.profiler))
+            layers = [self.slots.get(i) for i in range(start, end)]
+            policy = self.recompute
+            chosen = [i for i, layer in enumerate(layers, start) if policy is not None and policy(i, layer)]
+            modules.append(StageModule(layers, start, self.profiler, chosen))
         return modules
 
     # ------------------------------------------------------------------------------------------------------------

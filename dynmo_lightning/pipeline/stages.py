@@ -26,6 +26,7 @@ from dynmo_lightning.pipeline.migration import MigrationStats, migrate, pack
 from dynmo_lightning.pipeline.runtime import PipelineRuntime, StagePlan, StepResult
 from dynmo_lightning.pipeline.split import count_params, initial_partition, pipeline_layers, split_module
 from dynmo_lightning.pipeline.ties import TiedParameters
+from dynmo_lightning.recompute import Policy
 
 
 class LocalStages:
@@ -42,6 +43,7 @@ class LocalStages:
         schedule: the schedule's name.
         n_microbatches: micro-batches per step.
         timeout: timeout of the ties' process groups.
+        recompute: the layers under activation checkpointing (:func:`~dynmo_lightning.recompute.checkpoint_policy`).
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class LocalStages:
         schedule: str,
         n_microbatches: int,
         timeout: timedelta,
+        recompute: Policy | None = None,
     ) -> None:
         self.module = module
         self.device = device
@@ -72,6 +75,7 @@ class LocalStages:
             schedule=schedule,
             n_microbatches=n_microbatches,
             loss_fn=module.pipeline_loss,
+            recompute=recompute,
         )
         self._profiled: dict[int, dict[str, float]] | None = None
         self._pending: list[tuple[Tensor, Tensor]] = []
@@ -90,8 +94,12 @@ class LocalStages:
         n_microbatches: int,
         device: torch.device,
         timeout: timedelta,
+        recompute: Policy | None = None,
     ) -> LocalStages:
-        """Split ``module`` with its first partition (``"uniform"``, ``"params"`` or a list; see pipeline/split)."""
+        """Split ``module`` with its first partition (``"uniform"``, ``"params"`` or a list; see pipeline/split).
+
+        ``recompute`` chooses the layers under activation checkpointing (``None``: none).
+        """
         layers = pipeline_layers(module)
         kwargs = {"pp_size": pipe.size, "stages_per_rank": stages_per_rank, "n_microbatches": n_microbatches}
         lps = initial_partition(partition, count_params(layers), schedule=schedule, **kwargs)
@@ -108,6 +116,7 @@ class LocalStages:
             schedule=schedule,
             n_microbatches=n_microbatches,
             timeout=timeout,
+            recompute=recompute,
         )
 
     @property
