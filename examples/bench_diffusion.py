@@ -199,12 +199,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=64, help="layers of the real runs")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--stages", type=int, nargs="*", default=[64, 256, 1024], help="simulated stage counts")
+    parser.add_argument("--real", type=int, nargs="*", default=[2, 4], help="process counts of the real runs")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker, args.layers, args.repeats)
         return
-    results = {"real": [real(p, args.layers, args.repeats) for p in (2, 4)], "simulated": []}
+    results = {"real": [real(p, args.layers, args.repeats) for p in args.real], "simulated": []}
     for p in args.stages:
         results["simulated"].append(simulated(p, 1000 if p == 64 else 4 * p))
         print(json.dumps(results["simulated"][-1]), flush=True)

@@ -34,15 +34,15 @@ BATCHES, BATCH, SEQ = 2, 4, 8
 
 
 def llama(hidden: int, layers: int, intermediate: int, vocab: int) -> dict[str, Any]:
-    """A Llama config (full attention heads of width 128, untied head, short positions)."""
+    """A Llama config (attention heads of width 128, at least one; untied head, short positions)."""
     return {
         "model_type": "llama",
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": intermediate,
         "num_hidden_layers": layers,
-        "num_attention_heads": hidden // 128,
-        "num_key_value_heads": hidden // 128,
+        "num_attention_heads": max(1, hidden // 128),
+        "num_key_value_heads": max(1, hidden // 128),
         "max_position_embeddings": 64,
         "tie_word_embeddings": False,
     }

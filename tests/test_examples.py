@@ -36,12 +36,12 @@ SMALLEST: dict[str, tuple[list[str], list[str]]] = {
     "bench_checkpoint.py": ([*TORCHRUN, "--nproc_per_node=2"], ["--layers", "4", "--hidden", "32", "--repeats", "1"]),
     "bench_repack.py": ([*TORCHRUN, "--nproc_per_node=2"], ["--steps", "12", "--layers", "4", "--hidden", "32",
                         "--block", "16", "--batch", "8"]),
-    "bench_diffusion.py": ([sys.executable], ["--layers", "8", "--repeats", "1", "--stages", "8"]),
+    "bench_diffusion.py": ([sys.executable], ["--layers", "8", "--repeats", "1", "--stages", "8", "--real", "2"]),
     "bench_hf_memory.py": ([sys.executable], ["--processes", "2", "--hidden", "64", "--layers", "2",
                            "--intermediate", "128", "--vocab", "256"]),
     "validate_sim.py": ([*TORCHRUN, "--nproc_per_node=2"], ["--steps", "6", "--skip", "2", "--layers", "4",
                         "--hidden", "32", "--block", "16", "--batch", "8", "--microbatches", "2"]),
-    "soak.py": ([sys.executable], ["--steps", "40", "--epoch", "10", "--dir", "runs"]),
+    "soak.py": ([sys.executable], ["--steps", "20", "--epoch", "5", "--dir", "runs"]),
     "count_syncs.py": ([sys.executable], ["--layouts", "pp2", "--dynamics", "none"]),
 }  # fmt: skip
 

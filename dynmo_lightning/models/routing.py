@@ -194,8 +194,9 @@ def active_forward(
     # A block with its own attention layout (Hugging Face layers: rotary, grouped KV) says how to attend.
     attend = getattr(block, "attend_queries", None) or (lambda x, p: attend_queries(block.attn, x, p))
     x = h.gather(1, index) + attend(block.ln1(h), pos)
-    routes = getattr(block.mlp, "routes_tokens", False)
-    if routes and not exact and block.mlp.masks_on_device(x):
+    inner = getattr(block, "mlp", None)  # Hugging Face layers keep their MLP elsewhere (row-wise: no routing)
+    routes = getattr(inner, "routes_tokens", False)
+    if routes and not exact and inner.masks_on_device(x):
         delta, aux = mlp(block.ln2(x), valid)
         x = x + delta
     elif exact or routes:
