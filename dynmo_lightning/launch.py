@@ -7,6 +7,7 @@ costs seconds per process, so a launch runs a list of cases back to back, each i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import subprocess
@@ -176,6 +177,31 @@ def _end_world(saved: dict[str, str | None], env: dict[str, str] | None = None, 
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+_ends_at_exit = False
+
+
+def end_world_at_exit() -> None:
+    """At interpreter exit, end this process's world first, in order (registered once per process).
+
+    Left to the interpreter's shutdown, the process group and the stores this process hosts are torn down in no
+    particular order while their threads may still run, and a job that trained and checkpointed can still abort at
+    exit ("terminate called without an active exception": a status a scheduler reports as failed). ``atexit`` runs
+    before that, with every thread alive: the default group (and with it every subgroup) is destroyed, then the store
+    kept for a next world is closed.
+    """
+    global _ends_at_exit
+    if not _ends_at_exit:
+        atexit.register(_end_at_exit)
+        _ends_at_exit = True
+
+
+def _end_at_exit() -> None:
+    global _next_store
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _next_store = None
 
 
 def backend_device(backend: str | None = None) -> torch.device:

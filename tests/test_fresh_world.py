@@ -102,3 +102,25 @@ def test_backend_device_is_where_the_backend_sends_from(monkeypatch):
     assert backend_device("gloo") == torch.device("cpu")
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")  # by default: the default group's backend
     assert backend_device() == torch.device("cuda", 3)
+
+
+def test_the_world_ends_in_order_at_exit(monkeypatch):
+    """At interpreter exit the process group is destroyed first (registered once, however many fits)."""
+    import atexit
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dynmo_lightning import launch
+    from dynmo_lightning.pipeline.groups import open_store
+
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(launch, "_ends_at_exit", False)
+    launch.end_world_at_exit()
+    launch.end_world_at_exit()
+    assert registered == [launch._end_at_exit]
+    dist.init_process_group("gloo", store=open_store("127.0.0.1", timedelta(seconds=30), world_size=1), rank=0,
+                            world_size=1)  # fmt: skip
+    registered[0]()
+    assert not dist.is_initialized() and launch._next_store is None

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from dynmo_lightning.launch import end_world_at_exit
 from dynmo_lightning.pipeline.evaluation import EVAL_HOOK
 from dynmo_lightning.pipeline.layout import check_batch
 from dynmo_lightning.pipeline.runtime import SCHEDULES
@@ -234,6 +235,7 @@ class PipelineLauncher(_SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        end_world_at_exit()
         if trainer is not None:
             try:
                 check_job(self._strategy, trainer, *args)
