@@ -42,6 +42,8 @@ SMALLEST: dict[str, tuple[list[str], list[str]]] = {
     "validate_sim.py": ([*TORCHRUN, "--nproc_per_node=2"], ["--steps", "6", "--skip", "2", "--layers", "4",
                         "--hidden", "32", "--block", "16", "--batch", "8", "--microbatches", "2"]),
     "soak.py": ([sys.executable], ["--steps", "20", "--epoch", "5", "--dir", "runs"]),
+    "bench_activation_checkpointing.py": ([sys.executable], ["--layers", "4", "--embd", "32", "--heads", "2", "--seq",
+                                          "32", "--batch", "4", "--microbatches", "2"]),
     "count_syncs.py": ([sys.executable], ["--layouts", "pp2", "--dynamics", "none"]),
 }  # fmt: skip
 

@@ -136,7 +136,10 @@ def test_replicas_on_nccl_get_cpu_control_groups_made_by_their_members(backend, 
         {"ranks": [2, 3], "backend": None, "local": False},
         {"ranks": [2, 3], "backend": "gloo", "local": True},
         {"ranks": [0, 2], "backend": None, "local": False},
+        # The replica groups' CPU twins carry the host-known buffers' averages (sync_replica_buffers).
+        {"ranks": [0, 2], "backend": "gloo", "local": True},
         {"ranks": [1, 3], "backend": None, "local": False},
+        {"ranks": [1, 3], "backend": "gloo", "local": True},
     ]
     pipe = mesh.pipeline
     assert (pipe.group.name, pipe.group.backend) == ("[2, 3]", "nccl")
