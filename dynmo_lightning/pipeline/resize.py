@@ -5,11 +5,12 @@
 lives from one world to the next: who is in the job (:class:`~dynmo_lightning.pipeline.elastic.ElasticWorld`) and the
 heartbeats, one set per world (:class:`~dynmo_lightning.pipeline.watchdog.Heartbeats`). It is a collaborator of the
 strategy, not a part of it, and its constructor is the whole interface: the strategy's public face as far as a
-resize reads or sets it (:class:`ResizeHost`), the few internals it needs (:class:`ResizeInternals`) and the one action
-that changes the strategy's process groups. It orchestrates the rooms that do the work: the layer moves
-(:class:`~dynmo_lightning.pipeline.stages.LocalStages`), the new layout (:mod:`~dynmo_lightning.pipeline.layout`),
-the world's restart and everyone's view of it (:mod:`~dynmo_lightning.pipeline.elastic`,
-:mod:`~dynmo_lightning.pipeline.groups`) and telling the job manager (:mod:`~dynmo_lightning.pipeline.release`).
+resize reads or sets it (:class:`ResizeHost`: the callbacks' ``PipelineControl`` and a few Lightning members), the
+few internals it needs (:class:`ResizeInternals`) and the one action that changes the strategy's process groups.
+It orchestrates the rooms that do the work: the layer moves (:class:`~dynmo_lightning.pipeline.stages.LocalStages`),
+the new layout (:mod:`~dynmo_lightning.pipeline.layout`), the world's restart and everyone's view of it
+(:mod:`~dynmo_lightning.pipeline.elastic`, :mod:`~dynmo_lightning.pipeline.groups`) and telling the job manager
+(:mod:`~dynmo_lightning.pipeline.release`).
 """
 
 from __future__ import annotations
@@ -35,17 +36,18 @@ from dynmo_lightning.pipeline.migration import MigrationStats
 from dynmo_lightning.pipeline.runtime import StagePlan
 from dynmo_lightning.pipeline.stages import LocalStages
 from dynmo_lightning.pipeline.watchdog import Heartbeats
+from dynmo_lightning.protocol import PipelineControl
 
 
-class ResizeHost(Protocol):
-    """The strategy's public members a resize reads; it sets the first two to the new world's, and reads the rest.
+class ResizeHost(PipelineControl, Protocol):
+    """The strategy as a resize sees it: its public members only; the first two are set to the new world's.
+
+    What callbacks see (:class:`~dynmo_lightning.protocol.PipelineControl`: partition, sizes, ``broadcast``, ...)
+    and the members of a Lightning strategy below.
 
     Attributes:
         cluster_environment: the current world's environment (main address, ranks); set to the resized one.
         num_nodes: nodes running the job; set to the new world's.
-        partitions: the record of partitions; a resize appends the one it leaves.
-        n_microbatches: micro-batches per batch (a new layout splits batches into whole ones).
-        stages_per_rank: stages per process (a shrink needs one).
         data_parallel_size: the replicas the job started with.
         heartbeat_timeout: seconds of silence after which a process counts as lost.
         process_group_backend: the backend of the new world (``None``: gloo).
@@ -53,9 +55,6 @@ class ResizeHost(Protocol):
 
     cluster_environment: ClusterEnvironment | None
     num_nodes: int
-    partitions: list[dict[str, Any]]
-    n_microbatches: int
-    stages_per_rank: int
     data_parallel_size: int
     heartbeat_timeout: float
     process_group_backend: str | None
@@ -75,29 +74,6 @@ class ResizeHost(Protocol):
     @property
     def global_rank(self) -> int:
         """This process's rank in the current world."""
-
-    @property
-    def world_size(self) -> int:
-        """Processes in the current world."""
-
-    @property
-    def n_layers(self) -> int:
-        """Pipeline layers of the model."""
-
-    @property
-    def pp_size(self) -> int:
-        """Processes in a pipeline now."""
-
-    @property
-    def dp_size(self) -> int:
-        """Replicas of the pipeline now."""
-
-    @property
-    def layers_per_stage(self) -> list[int]:
-        """The current partition."""
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every process of the current world (collective)."""
 
 
 @dataclass(frozen=True)
