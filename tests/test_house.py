@@ -1,8 +1,9 @@
-"""The house rules of DESIGN.md, checked on the source: imports run one way, rooms stay small."""
+"""The house rules of docs/design.md, checked on the source: imports run one way, rooms stay small and are listed."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,10 @@ def test_no_function_longer_than_80_lines():
                 if length > 80:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({length})")
     assert not long, long
+
+
+def test_the_pipeline_package_lists_every_room():
+    doc = ast.get_docstring(ast.parse((PACKAGE / "pipeline" / "__init__.py").read_text())) or ""
+    listed = re.findall(r"^\* ``(\w+)`` - ", doc, flags=re.MULTILINE)
+    rooms = sorted(p.stem for p in (PACKAGE / "pipeline").glob("*.py") if p.name != "__init__.py")
+    assert sorted(listed) == rooms, f"pipeline/__init__.py lists {sorted(listed)}, the rooms are {rooms}: one line each"

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from bench_data import write_bench_dir
+from support.bench_data import write_bench_dir
 
 from dynmo_lightning import plots
 from dynmo_lightning.bench.report import report_bench

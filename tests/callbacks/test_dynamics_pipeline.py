@@ -8,7 +8,7 @@ import csv
 
 import pytest
 import torch
-from _helpers import assert_close_losses, assert_close_params, launch
+from support.helpers import assert_close_losses, assert_close_params, launch
 
 from dynmo_lightning.balance import partition
 
