@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _helpers import TINY
 from hydra import compose, initialize_config_dir
+from support.helpers import TINY
 
 from dynmo_lightning.cli import CONF_DIR
 from dynmo_lightning.launch import clean_env

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
-from _helpers import launch_script
-from classifier_model import Classifier, loader, run
+from support import SUPPORT
+from support.classifier_model import Classifier, loader, run
+from support.helpers import launch_script
 
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.pipeline.launcher import check_model
 from dynmo_lightning.protocol import ProtocolError
 
-SCRIPT = Path(__file__).with_name("_classifier_script.py")
+SCRIPT = SUPPORT / "_classifier_script.py"
 
 
 @pytest.fixture(scope="module")

@@ -9,19 +9,19 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import lightning.pytorch as L
 import pytest
 import torch
 import torch.distributed as dist
+from support import SUPPORT
 
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.launch import FIT_ENV, backend_device, fresh_world, run_ranks
 from dynmo_lightning.models import GPT
 
-SCRIPT = Path(__file__).resolve().parent / "_fresh_world_script.py"
+SCRIPT = SUPPORT / "_fresh_world_script.py"
 
 #: A second backend name on a CPU-only build: gloo under another name (what NCCL then gloo looks like to Lightning).
 ALIAS = "gloo_fresh_world_test"

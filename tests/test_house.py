@@ -1,8 +1,9 @@
-"""The house rules of DESIGN.md, checked on the source: imports run one way, rooms stay small."""
+"""The house rules of docs/design.md, checked on the source: imports run one way, rooms stay small and are listed."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,10 @@ class Mixin:
 """
     reads = [text for _, text in _private_reads(ast.parse(source), private)]
     assert reads == ["self._strategy._stages", "getattr(self._strategy, '_timeout')", "self._timeout"]
+
+
+def test_the_pipeline_package_lists_every_room():
+    doc = ast.get_docstring(ast.parse((PACKAGE / "pipeline" / "__init__.py").read_text())) or ""
+    listed = re.findall(r"^\* ``(\w+)`` - ", doc, flags=re.MULTILINE)
+    rooms = sorted(p.stem for p in (PACKAGE / "pipeline").glob("*.py") if p.name != "__init__.py")
+    assert sorted(listed) == rooms, f"pipeline/__init__.py lists {sorted(listed)}, the rooms are {rooms}: one line each"

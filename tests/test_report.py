@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from bench_data import write_bench_dir
+from support.bench_data import write_bench_dir
 
 from dynmo_lightning import plots
 from dynmo_lightning.bench.report import report_bench
@@ -67,7 +67,7 @@ def _write_run(path: Path, *, optional: bool) -> Path:
         (path / "costs.jsonl").write_text("\n".join(json.dumps(r) for r in records) + '\n{"step": 12, "fw')
         (path / "csv").mkdir()
         (path / "csv" / "metrics.csv").write_text(
-            "balancer/world_size,dynamics/frozen,epoch,step,train_loss,val_loss,val_ppl\n"
+            "balancer/world_size,freezing/frozen_layers,epoch,step,train_loss,val_loss,val_ppl\n"
             "4,,0,4,4.2,,\n"
             ",0.25,0,5,,3.9,49.4\n"
             "2,,0,9,3.3,,\n"

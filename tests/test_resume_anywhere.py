@@ -5,7 +5,7 @@ identical losses run after run."""
 from __future__ import annotations
 
 import pytest
-from _helpers import assert_close_losses, assert_close_params, launch
+from support.helpers import assert_close_losses, assert_close_params, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 import torch
-from _helpers import DP2, TINY, assert_close_losses, assert_close_params, launch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from support.helpers import DP2, TINY, assert_close_losses, assert_close_params, launch
 
 from dynmo_lightning.cli import CONF_DIR
 from dynmo_lightning.launch import clean_env
@@ -96,7 +96,7 @@ def test_each_rank_writes_and_reads_only_its_own_layers(runs):
 
 
 def _reads(run, world: int) -> list[int]:
-    """Bytes each rank read from the shards while resuming (``DYNMO_TEST_RECORD_READS`` of tests/_worker.py)."""
+    """Bytes each rank read from the shards while resuming (``DYNMO_TEST_RECORD_READS`` of tests/support/_worker.py)."""
     return [json.loads((run.run_dir / f"reads.rank{r}.json").read_text())["bytes"] for r in range(world)]
 
 

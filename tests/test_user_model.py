@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import assert_close_losses, assert_close_params, launch_script
-from user_model import fit
+from support import SUPPORT
+from support.helpers import assert_close_losses, assert_close_params, launch_script
+from support.user_model import fit
 
 from dynmo_lightning.pipeline.sharded import load_whole
 
-SCRIPT = Path(__file__).with_name("_user_script.py")
+SCRIPT = SUPPORT / "_user_script.py"
 
 
 @pytest.fixture(scope="module")

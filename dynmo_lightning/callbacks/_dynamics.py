@@ -1,14 +1,37 @@
-"""Pieces shared by the dynamics callbacks: enabling a model's dynamic structure, finding its parts, gathering stats."""
+"""What the dynamics callbacks share: :class:`RoutedDynamics`, the base of the routed ones, and its pieces.
+
+The pieces: checking settings, enabling a model's dynamic structure, finding its parts, gathering their statistics.
+
+Metric names, every dynamic alike: ``<dynamic>/<metric>`` for the whole model, ``<dynamic>/layer{i}/<metric>`` for
+pipeline layer ``i`` (the embedding is layer 0, so block ``b`` is layer ``b``); ``<dynamic>`` is the name of its
+Hydra config (``dynamics=<dynamic>``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import nn
+from typing_extensions import override
 
 from dynmo_lightning.protocol import all_gather, local_layers
+
+
+def check_fractions(**values: float) -> None:
+    """Raise unless every setting ``dynamics.<name>=<value>`` is in (0, 1]."""
+    for name, value in values.items():
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"dynamics.{name}={value} must be in (0, 1]")
+
+
+def check_at_least(minimum: int, **values: int) -> None:
+    """Raise unless every setting ``dynamics.<name>=<value>`` is at least ``minimum``."""
+    for name, value in values.items():
+        if value < minimum:
+            raise ValueError(f"dynamics.{name}={value} must be >= {minimum}")
 
 
 def enable(pl_module: pl.LightningModule, part: type[nn.Module], setting: str, **options: Any) -> None:
@@ -58,3 +81,78 @@ def _mean(values: list[Any]) -> Any:
     if isinstance(first, (int, float)):
         return sum(values) / len(values)
     return first
+
+
+class RoutedDynamics(Callback):
+    """Base of the dynamics whose layers route tokens or attention (early exit, MoD, MoE, sparse attention).
+
+    As Lightning's ``BaseFinetuning``: the hooks are here, a subclass overrides a few methods. In ``setup`` the model
+    is asked to build its ``part`` modules (with :attr:`options`); before every training step :meth:`before_step`
+    may set their values; every ``log_every_n_steps`` steps :meth:`layer_stats` reads each local part's statistics,
+    which are merged over the processes (:func:`gather`) and turned into metrics by :meth:`layer_metrics` and
+    :meth:`model_metrics`, logged as ``<name>/layer{i}/<metric>`` and ``<name>/<metric>``.
+
+    A subclass names, as class keywords, ``name`` (the metric prefix, its Hydra config's name), ``part`` (the module
+    type it switches on) and ``setting`` (the model setting that adds ``part``, named when a model has none):
+    ``class MixtureOfExperts(RoutedDynamics, name="moe", part=MoEMLP, setting="MoE MLPs (GPT(n_experts=4))")``.
+
+    Args:
+        log_every_n_steps: logging interval (at least 1).
+        **options: the model's ``configure_dynamics`` options that build ``part`` (its constructor arguments).
+    """
+
+    name: ClassVar[str]
+    part: ClassVar[type[nn.Module]]
+    setting: ClassVar[str]
+
+    def __init_subclass__(cls, *, name: str, part: type[nn.Module], setting: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name, cls.part, cls.setting = name, part, setting
+
+    def __init__(self, log_every_n_steps: int = 10, **options: Any) -> None:
+        self.log_every_n_steps = max(1, log_every_n_steps)
+        self.options = options
+
+    def parts(self, pl_module: pl.LightningModule) -> list[tuple[int, nn.Module]]:
+        """``(layer index, part)`` of every ``part`` module this process holds."""
+        return parts(pl_module, self.part)
+
+    def before_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        """Set the parts' values for training step ``step`` (nothing by default)."""
+
+    def layer_stats(self, local: list[tuple[int, nn.Module]]) -> dict[int, Any]:
+        """Statistics since the last log of this process's ``(layer, part)`` pairs, by layer (and reset them)."""
+        return {}
+
+    def layer_metrics(self, stats: dict[int, Any]) -> dict[int, dict[str, float]]:
+        """``{layer: {metric: value}}`` from every layer's gathered statistics."""
+        return {}
+
+    def model_metrics(self, stats: dict[int, Any], step: int) -> dict[str, float]:
+        """Whole-model metrics at ``step`` from every layer's gathered statistics (none by default)."""
+        return {}
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        enable(pl_module, self.part, self.setting, **self.options)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        self.before_step(trainer, pl_module, trainer.global_step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step % self.log_every_n_steps:
+            return
+        stats = gather(self.layer_stats(self.parts(pl_module)), trainer)
+        metrics = {
+            f"{self.name}/layer{i}/{metric}": value
+            for i, layer in sorted(self.layer_metrics(stats).items())
+            for metric, value in layer.items()
+        }
+        model = self.model_metrics(stats, trainer.global_step)
+        metrics |= {f"{self.name}/{metric}": value for metric, value in model.items()}
+        if metrics:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False)

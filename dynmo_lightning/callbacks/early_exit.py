@@ -6,24 +6,23 @@ how blocks then compute only on active tokens) and schedules the saturation thre
 exit after block ``b`` (1-based) when ``b >= min_layers`` and ``b % exit_every == 0``. Later layers, and so later
 pipeline stages, get cheaper as training goes on: what the balancer then evens out.
 
-Logged every ``log_every_n_steps``: ``dynamics/exit_frac_block{b}`` (share of all tokens that exited after block b
-since the last log) and ``dynamics/active_frac`` (share still active after the last block).
+Logged every ``log_every_n_steps``: ``early_exit/layer{b}/exit_frac`` (share of all tokens that exited after block b
+since the last log) and ``early_exit/active_frac`` (share still active after the last block).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from dynmo_lightning.callbacks._dynamics import enable, gather, parts
+from dynmo_lightning.callbacks._dynamics import RoutedDynamics, check_at_least, check_fractions
 from dynmo_lightning.models.routing import EXIT_SYNC, ExitGate
 from dynmo_lightning.protocol import read_once, set_host_value
 
 
-class TokenEarlyExit(Callback):
+class TokenEarlyExit(
+    RoutedDynamics, name="early_exit", part=ExitGate, setting="exit gates in its blocks (GPT(early_exit=True))"
+):
     """Token early exit by hidden-state saturation.
 
     Args:
@@ -32,7 +31,7 @@ class TokenEarlyExit(Callback):
         ramp_steps: steps over which λ falls from 1 to ``threshold`` (0: at once).
         min_layers: blocks every token passes before it may exit.
         exit_every: exits only after every ``exit_every``-th block.
-        log_every_n_steps: interval of the exit histogram.
+        log_every_n_steps: steps between logs of the exit histogram.
         sync: how often blocks read the number of active tokens from the device: ``"stage"`` once per stage and
             micro-batch (bucketed), ``"layer"`` once per block (exact), ``"auto"`` (``"stage"`` on accelerators,
             ``"layer"`` on CPU, where a read does not stall a device stream).
@@ -48,20 +47,17 @@ class TokenEarlyExit(Callback):
         log_every_n_steps: int = 10,
         sync: str = "auto",
     ) -> None:
-        if not 0.0 < threshold <= 1.0:
-            raise ValueError(f"dynamics.threshold={threshold} must be in (0, 1]")
-        if warmup_steps < 0 or ramp_steps < 0:
-            raise ValueError(f"dynamics.warmup_steps={warmup_steps} and ramp_steps={ramp_steps} must be >= 0")
-        if min_layers < 1 or exit_every < 1:
-            raise ValueError(f"dynamics.min_layers={min_layers} and dynamics.exit_every={exit_every} must be >= 1")
+        check_fractions(threshold=threshold)
+        check_at_least(0, warmup_steps=warmup_steps, ramp_steps=ramp_steps)
+        check_at_least(1, min_layers=min_layers, exit_every=exit_every)
+        if sync not in EXIT_SYNC:
+            raise ValueError(f"dynamics.sync={sync!r} must be 'auto', 'stage' or 'layer'")
+        super().__init__(log_every_n_steps, early_exit=True)
         self.threshold = threshold
         self.warmup_steps = warmup_steps
         self.ramp_steps = ramp_steps
         self.min_layers = min_layers
         self.exit_every = exit_every
-        self.log_every_n_steps = max(1, log_every_n_steps)
-        if sync not in EXIT_SYNC:
-            raise ValueError(f"dynamics.sync={sync!r} must be 'auto', 'stage' or 'layer'")
         self.sync = sync
 
     def threshold_at(self, step: int) -> float:
@@ -74,36 +70,32 @@ class TokenEarlyExit(Callback):
         return 1.0 - t * (1.0 - self.threshold)
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        enable(pl_module, ExitGate, "exit gates in its blocks (GPT(early_exit=True))", early_exit=True)
-
-    def _gates(self, pl_module: pl.LightningModule) -> list[tuple[int, ExitGate]]:
-        return parts(pl_module, ExitGate)
-
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
-        threshold = self.threshold_at(trainer.global_step)
-        for i, gate in self._gates(pl_module):
+    def before_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        threshold = self.threshold_at(step)
+        for i, gate in self.parts(pl_module):
             block = i  # pipeline layer i is block i (the embedding is layer 0)
             gate.may_exit = block >= self.min_layers and block % self.exit_every == 0
             gate.sync = self.sync
             set_host_value(gate, "threshold", threshold)
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if trainer.global_step % self.log_every_n_steps:
-            return
-        gates = self._gates(pl_module)
-        counts_ = read_once([c for _, gate in gates for c in (gate.exited, gate.processed)])
-        local = {i: (counts_[2 * n], counts_[2 * n + 1]) for n, (i, _) in enumerate(gates)}
-        for _, gate in gates:
+    def layer_stats(self, local: list[tuple[int, ExitGate]]) -> dict[int, tuple[float, float]]:
+        counts = read_once([c for _, gate in local for c in (gate.exited, gate.processed)])  # one read for all
+        for _, gate in local:
             gate.exited = gate.processed = 0
-        counts = gather(local, trainer)
-        tokens = max((p for _, p in counts.values()), default=0)  # every token is active at the first gate
-        if not tokens:
-            return
-        metrics = {f"dynamics/exit_frac_block{i}": e / tokens for i, (e, _) in sorted(counts.items())}
-        metrics["dynamics/active_frac"] = 1.0 - sum(e for e, _ in counts.values()) / tokens
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        return {i: (counts[2 * n], counts[2 * n + 1]) for n, (i, _) in enumerate(local)}
+
+    @override
+    def layer_metrics(self, stats: dict[int, tuple[float, float]]) -> dict[int, dict[str, float]]:
+        tokens = _tokens(stats)
+        return {i: {"exit_frac": e / tokens} for i, (e, _) in stats.items()} if tokens else {}
+
+    @override
+    def model_metrics(self, stats: dict[int, tuple[float, float]], step: int) -> dict[str, float]:
+        tokens = _tokens(stats)
+        return {"active_frac": 1.0 - sum(e for e, _ in stats.values()) / tokens} if tokens else {}
+
+
+def _tokens(stats: dict[int, tuple[float, float]]) -> float:
+    """Tokens seen since the last log: every token is active at the first gate."""
+    return max((p for _, p in stats.values()), default=0)

@@ -139,7 +139,7 @@ class LayerFreezing(Callback):
         if target > self.frozen:
             self.frozen = target
             self._apply(trainer, pl_module)
-            pl_module.log("dynamics/frozen_layers", float(self.frozen), on_step=True, on_epoch=False)
+            pl_module.log("freezing/frozen_layers", float(self.frozen), on_step=True, on_epoch=False)
 
     def _decide(self, pl_module: pl.LightningModule, n_layers: int) -> int:
         """The frozen prefix length after this window (collective: every process takes part)."""

@@ -4,23 +4,20 @@ Switches on routers in every ``every``-th block of the reference GPT (``GPT(mod_
 :mod:`dynmo_lightning.models.routing`) and schedules the capacity: dense (``start_capacity``, default 1 = every token,
 exactly the dense model) until ``start_step``, then a linear anneal to ``capacity`` over ``anneal_steps`` — which is
 what makes the routed blocks' cost drift during training. ``k`` per sequence is fixed by the capacity, so shapes stay
-static. Logged every ``log_every_n_steps``: ``dynamics/routed_frac_block{b}`` and ``dynamics/capacity``.
+static. Logged every ``log_every_n_steps``: ``mod/layer{b}/routed_frac`` and ``mod/capacity``.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from dynmo_lightning.callbacks._dynamics import enable, gather, parts
+from dynmo_lightning.callbacks._dynamics import RoutedDynamics, check_at_least, check_fractions
 from dynmo_lightning.models.routing import DepthRouter
 from dynmo_lightning.protocol import layers_changed, set_host_value
 
 
-class MixtureOfDepths(Callback):
+class MixtureOfDepths(RoutedDynamics, name="mod", part=DepthRouter, setting="routers in its blocks (GPT(mod_every=2))"):
     """Mixture of Depths with a capacity schedule.
 
     Args:
@@ -29,7 +26,7 @@ class MixtureOfDepths(Callback):
         start_capacity: capacity until ``start_step`` (1: dense).
         start_step: when annealing starts.
         anneal_steps: steps from ``start_capacity`` to ``capacity`` (0: at once).
-        log_every_n_steps: logging interval.
+        log_every_n_steps: steps between logs of the routed fractions and the capacity.
     """
 
     def __init__(
@@ -41,19 +38,15 @@ class MixtureOfDepths(Callback):
         anneal_steps: int = 100,
         log_every_n_steps: int = 10,
     ) -> None:
-        for name, value in (("capacity", capacity), ("start_capacity", start_capacity)):
-            if not 0.0 < value <= 1.0:
-                raise ValueError(f"dynamics.{name}={value} must be in (0, 1]")
-        if every < 1:
-            raise ValueError(f"dynamics.every={every} must be >= 1")
-        if start_step < 0 or anneal_steps < 0:
-            raise ValueError(f"dynamics.start_step={start_step} and anneal_steps={anneal_steps} must be >= 0")
+        check_fractions(capacity=capacity, start_capacity=start_capacity)
+        check_at_least(1, every=every)
+        check_at_least(0, start_step=start_step, anneal_steps=anneal_steps)
+        super().__init__(log_every_n_steps, mod_every=every, mod_capacity=start_capacity)
         self.capacity = capacity
         self.every = every
         self.start_capacity = start_capacity
         self.start_step = start_step
         self.anneal_steps = anneal_steps
-        self.log_every_n_steps = max(1, log_every_n_steps)
         self._routing: bool | None = None
 
     def capacity_at(self, step: int) -> float:
@@ -64,19 +57,9 @@ class MixtureOfDepths(Callback):
         return self.start_capacity + t * (self.capacity - self.start_capacity)
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        enable(
-            pl_module,
-            DepthRouter,
-            "routers in its blocks (GPT(mod_every=2))",
-            mod_every=self.every,
-            mod_capacity=self.start_capacity,
-        )
-
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
-        capacity = self.capacity_at(trainer.global_step)
-        for _, router in parts(pl_module, DepthRouter):
+    def before_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        capacity = self.capacity_at(step)
+        for _, router in self.parts(pl_module):
             set_host_value(router, "capacity", capacity)
         routing = capacity < 1.0
         if routing != self._routing:
@@ -86,14 +69,16 @@ class MixtureOfDepths(Callback):
             layers_changed(trainer)
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if trainer.global_step % self.log_every_n_steps:
-            return
-        local = {i: (r.routed, r.seen) for i, r in parts(pl_module, DepthRouter)}
-        for _, router in parts(pl_module, DepthRouter):
+    def layer_stats(self, local: list[tuple[int, DepthRouter]]) -> dict[int, tuple[int, int]]:
+        stats = {i: (r.routed, r.seen) for i, r in local}  # host counters: no device read
+        for _, router in local:
             router.routed = router.seen = 0
-        metrics = {f"dynamics/routed_frac_block{i}": r / s for i, (r, s) in sorted(gather(local, trainer).items()) if s}
-        metrics["dynamics/capacity"] = self.capacity_at(trainer.global_step)
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        return stats
+
+    @override
+    def layer_metrics(self, stats: dict[int, tuple[int, int]]) -> dict[int, dict[str, float]]:
+        return {i: {"routed_frac": r / s} for i, (r, s) in stats.items() if s}
+
+    @override
+    def model_metrics(self, stats: dict[int, tuple[int, int]], step: int) -> dict[str, float]:
+        return {"capacity": self.capacity_at(step)}

@@ -149,7 +149,7 @@ class GradualPruning(Callback):
         else:
             self._prune_weights(pl_module, target, trainer.optimizers)
         self.sparsity = target
-        pl_module.log("dynamics/sparsity", target, on_step=True, on_epoch=False)
+        pl_module.log("pruning/sparsity", target, on_step=True, on_epoch=False)
 
     # ----------------------------------------------------------------------------------------------------------------
     def _prune_units(self, pl_module: pl.LightningModule, target: float, optimizers: Sequence[Optimizer]) -> None:

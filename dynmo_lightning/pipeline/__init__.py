@@ -1,23 +1,26 @@
 """The pipeline runtime, one room per job; ``DynMoStrategy`` orchestrates them.
 
-* ``layout`` - replicas of the pipeline, their data shards and batch parts, THE pipeline-rank / global-rank mapping
-  (:class:`~dynmo_lightning.pipeline.layout.PipelineGroup`), the process groups and ``("dp", "pp")`` device mesh,
-  and THE device a group's tensors live on (:func:`~dynmo_lightning.pipeline.layout.group_device`).
-* ``split`` - the first partition; dropping other stages' layers; materialising this stage's from per-layer seeds.
-* ``layers`` - where each layer sits in the user's module, placeholders for remote layers.
-* ``runtime`` - stages and schedules of ``torch.distributed.pipelining`` from a partition (:class:`StagePlan`).
+* ``checkpoint`` - one file with the unsplit model's keys, optimizer state by name, an atomic ``CheckpointIO``.
+* ``elastic`` - who is in the job and where (nodes, stable process ids), who waits, calling them back (grow).
+* ``evaluation`` - what validation and test steps log: the loss, perplexity of token targets, the module's own.
+* ``groups`` - restarting the world among survivors (each survivor's view of it) and releasing the others.
+* ``launcher`` - starting the job's processes, after the checks that must fail before any worker starts.
+* ``layers`` - which layers this process holds, where each sits in the user's module, placeholders for remote ones.
+* ``layout`` - replicas, their data shards and batch parts, THE pipeline-rank / global-rank mapping, the device mesh.
 * ``migration`` - layers moving between processes with everything that defines them; packing onto fewer ranks.
-* ``transport`` - host data over the pipeline's CPU control group, tensors by batched point-to-point on its device
-  (what migration and the shape probe send).
-* ``ties`` - parameters shared by layers on different stages.
-* ``stages`` - :class:`~dynmo_lightning.pipeline.stages.LocalStages`: the split model, ties and runtime of one
-  process kept consistent through steps and moves.
-* ``reduce`` - whole-model quantities over stages (loss, gradient norm, parameter norm, layer costs) and averages
-  over replicas.
-* ``precision`` - the Trainer's precision plugin, clipping by the global norm; ``checkpoint`` - one file with the
-  unsplit model's keys, optimizer state by name, an atomic ``CheckpointIO``.
-* ``groups`` - restarting the world among survivors and releasing the others; ``launcher`` - checks run before any
-  worker starts; ``watchdog`` - heartbeats and named phases.
+* ``neighbours`` - diffusion balancing at runtime: one protocol stage per process, cards sent to its neighbours.
+* ``precision`` - the Trainer's precision plugin, with clipping by the pipeline's global gradient norm.
+* ``reduce`` - whole-model sums over stages (loss, gradient and parameter norms, layer costs), averages over replicas.
+* ``release`` - telling the job manager (Slurm, a command) which ranks and whole nodes a consolidation freed.
+* ``resize`` - the strategy's shrink and grow: consolidating onto fewer processes and re-admitting them.
+* ``runtime`` - stages and schedules of ``torch.distributed.pipelining`` from a partition (:class:`StagePlan`).
+* ``safe_load`` - reading checkpoint files without running code from them.
+* ``sharded`` - sharded checkpoints: each stage writes its layers (``torch.distributed.checkpoint``), any width reads.
+* ``split`` - the first partition; dropping other stages' layers; materialising this stage's from per-layer seeds.
+* ``stages`` - :class:`~dynmo_lightning.pipeline.stages.LocalStages`: split model, ties and runtime of one process.
+* ``ties`` - parameters shared by layers on different stages, kept exact on any partition.
+* ``transport`` - host data over the CPU control group, tensors by batched point-to-point on the device.
+* ``watchdog`` - heartbeats, and failure messages that name the lost rank and the phase.
 
 Imports run downwards only: ``layout`` and ``layers`` import no other room; ``stages`` is the only room that imports
 ``split``, ``ties``, ``migration`` and ``runtime`` together.

@@ -7,9 +7,9 @@ import math
 import random
 
 import pytest
-from brute import started
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.brute import started
 
 from dynmo_lightning.balance import InfeasibleMemoryError, bottleneck, diffuse, partition
 from dynmo_lightning.balance.diffusion import (

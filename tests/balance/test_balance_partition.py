@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 import pytest
-from brute import blocks, brute_force, compositions
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.brute import blocks, brute_force, compositions
 
 from dynmo_lightning.balance import METHODS, InfeasibleMemoryError, bottleneck, partition
 

@@ -7,9 +7,9 @@ import itertools
 import random
 
 import pytest
-from brute import brute_force, started
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.brute import brute_force, started
 
 from dynmo_lightning.balance import BalancePolicy, bottleneck, diffuse, partition
 from dynmo_lightning.balance.diffusion import Card, DiffusionStage, drive, stage_layers, start_stages

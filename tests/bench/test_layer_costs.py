@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_data import synthetic_table
+from support.bench_data import synthetic_table
 
 from dynmo_lightning.bench.layer_costs import CostTable, LayerShape, measure
 

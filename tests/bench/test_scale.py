@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from bench_data import frozen_prefix_trace
+from support.bench_data import frozen_prefix_trace
 
 from dynmo_lightning.bench.scale import Network, compare, oracle, seed_reached
 

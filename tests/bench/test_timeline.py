@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from bench_data import synthetic_table
+from support.bench_data import synthetic_table
 
 from dynmo_lightning.bench.layer_costs import CostTable
 from dynmo_lightning.bench.timeline import PRESETS, TimelineConfig, realistic_trace, record

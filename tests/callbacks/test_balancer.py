@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import lightning.pytorch as L
 import pytest
-from _helpers import assert_close_losses, assert_close_params, launch
+from support.helpers import assert_close_losses, assert_close_params, launch
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.balance import InfeasibleMemoryError, bottleneck, partition

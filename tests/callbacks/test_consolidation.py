@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _helpers import FREEZE, REPACK, TINY, assert_close_losses, launch
+from support import SUPPORT
+from support.helpers import FREEZE, REPACK, TINY, assert_close_losses, launch
 
 from dynmo_lightning import DynMoBalancer
 from dynmo_lightning.balance import plan_repack
@@ -97,7 +98,7 @@ def test_consolidation_under_torchrun(tmp_path: Path):
         torchrun,
         "--standalone",
         "--nproc_per_node=4",
-        str(Path(__file__).resolve().parent.parent / "injected_costs.py"),  # dynmo-train with structural costs
+        str(SUPPORT / "injected_costs.py"),  # dynmo-train with structural costs
         *TINY,
         *FREEZE,
         *REPACK,

@@ -8,7 +8,7 @@ import csv
 
 import pytest
 import torch
-from _helpers import assert_close_losses, assert_close_params, launch
+from support.helpers import assert_close_losses, assert_close_params, launch
 
 from dynmo_lightning.balance import partition
 
@@ -118,11 +118,11 @@ def _last_logged(run, key: str) -> float:
 
 def test_early_exit_and_mod_defaults_act_within_200_steps(runs):
     exit_run, mod_run = runs["exit-default"], runs["mod-default"]
-    assert _last_logged(exit_run, "dynamics/active_frac") < 1.0  # tokens exit by the end of the run
+    assert _last_logged(exit_run, "early_exit/active_frac") < 1.0  # tokens exit by the end of the run
     thresholds = [v for k, v in exit_run.checkpoint["state_dict"].items() if k.endswith("exit_gate.threshold")]
     assert thresholds and all(float(t) == pytest.approx(0.9) for t in thresholds)
-    assert _last_logged(mod_run, "dynamics/capacity") == pytest.approx(0.125)
-    assert _last_logged(mod_run, "dynamics/routed_frac_block2") == pytest.approx(0.125, abs=0.02)
+    assert _last_logged(mod_run, "mod/capacity") == pytest.approx(0.125)
+    assert _last_logged(mod_run, "mod/layer2/routed_frac") == pytest.approx(0.125, abs=0.02)
     for run in (exit_run, mod_run):
         assert _planned_every_25_steps(run.checkpoint["callbacks"]["DynMoBalancer"])
         assert run.summary["losses"][-1] < run.summary["losses"][0] - 1.0
@@ -140,7 +140,7 @@ def test_moe_aux_loss_crosses_stages_and_reaches_first_stage_routers(runs):
 
 def test_moe_and_sparse_attention_defaults_act_within_200_steps(runs):
     moe, sparse = runs["moe-default"], runs["sparse-default"]
-    assert _last_logged(moe, "dynamics/moe_max_load_layer2") > 0.25  # routing is uneven (4 experts)
+    assert _last_logged(moe, "moe/layer2/max_load") > 0.25  # routing is uneven (4 experts)
     densities = [float(v) for k, v in sparse.checkpoint["state_dict"].items() if k.endswith("attn.density")]
     assert densities and min(densities) < 1.0  # densities adapted away from dense
     for run in (moe, sparse):

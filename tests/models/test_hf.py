@@ -1,7 +1,8 @@
 """Hugging Face causal LMs through ``from_hf``: exact pipeline training, the dynamics on their layers, HF export.
 
 The reference for pipeline runs is plain single-device Lightning training the Hugging Face model through its own
-``forward`` (tests/hf_models.py); no test downloads anything (models are built from configs, randomly initialised).
+``forward`` (tests/support/hf_models.py); no test downloads anything (models are built from configs, randomly
+initialised).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _helpers import assert_close_losses, assert_close_model, assert_close_params, launch_script
-from hf_models import CONFIGS, built, fit, hf_model, hf_state, pipeline_model, reference
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from support import SUPPORT
+from support.helpers import assert_close_losses, assert_close_model, assert_close_params, launch_script
+from support.hf_models import CONFIGS, built, fit, hf_model, hf_state, pipeline_model, reference
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
@@ -32,7 +34,7 @@ from dynmo_lightning.cli import CONF_DIR, export
 from dynmo_lightning.models.hf import from_hf, save_hf, shift_labels, to_hf_keys
 from dynmo_lightning.pipeline.sharded import load_whole
 
-SCRIPT = Path(__file__).resolve().parent.parent / "_hf_script.py"
+SCRIPT = SUPPORT / "_hf_script.py"
 FAMILIES = ["llama", "gpt2"]
 
 
@@ -569,7 +571,7 @@ def test_freezing_and_rebalancing_an_hf_model_equal_plain_lightning(runs):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", ["mod", "prune"])
 def test_mod_and_pruning_on_an_hf_model_in_a_pipeline_equal_plain_lightning(runs, case):
-    from _hf_script import MOD, PRUNE
+    from support._hf_script import MOD, PRUNE
 
     module = pipeline_model("llama")
     callback = MixtureOfDepths(**MOD) if case == "mod" else GradualPruning(**PRUNE)

@@ -96,7 +96,7 @@ def test_training_with_exits_lowers_validation_loss():
     callback = TokenEarlyExit(threshold=0.6, warmup_steps=10, ramp_steps=10, log_every_n_steps=5)
     trainer, model = _fit(callback)
     assert float(trainer.callback_metrics["val_loss"]) < 3.5  # from ln(256) = 5.5
-    assert float(trainer.callback_metrics["dynamics/active_frac"]) < 1.0  # tokens did exit
+    assert float(trainer.callback_metrics["early_exit/active_frac"]) < 1.0  # tokens did exit
     assert all(float(b.exit_gate.threshold) == pytest.approx(0.6) for b in model.blocks)
 
 

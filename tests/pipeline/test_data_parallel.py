@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import DP2, FREEZE, REPACK, TINY, assert_close_losses, assert_close_model, assert_close_params, launch
+from support.helpers import (
+    DP2,
+    FREEZE,
+    REPACK,
+    TINY,
+    assert_close_losses,
+    assert_close_model,
+    assert_close_params,
+    launch,
+)
 
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.launch import clean_env

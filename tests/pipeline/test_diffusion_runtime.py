@@ -9,8 +9,8 @@ import json
 import math
 
 import pytest
-from _helpers import DP2, assert_close_losses, assert_close_params, launch
-from brute import brute_force
+from support.brute import brute_force
+from support.helpers import DP2, assert_close_losses, assert_close_params, launch
 
 from dynmo_lightning.balance import bottleneck, partition
 from dynmo_lightning.balance.diffusion import round_bound

@@ -12,14 +12,15 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from _helpers import FREEZE, REPACK, TINY, assert_close_losses, assert_close_params, launch
-from fake_slurm import calls, env_with, install
+from support import SUPPORT
+from support.fake_slurm import calls, env_with, install
+from support.helpers import FREEZE, REPACK, TINY, assert_close_losses, assert_close_params, launch
 
 from dynmo_lightning.launch import clean_env
 from dynmo_lightning.pipeline.groups import open_store
 from dynmo_lightning.pipeline.sharded import load_whole
 
-SCRIPT = str(Path(__file__).resolve().parent.parent / "_elastic_train.py")
+SCRIPT = str(SUPPORT / "_elastic_train.py")
 STEPS = ["trainer.max_steps=20"]
 TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
 

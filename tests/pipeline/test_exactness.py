@@ -2,14 +2,14 @@
 that hold the unsplit model: written at P=2, they resume at P=1 and P=4 and load into the plain model.
 
 20 AdamW steps of a tiny GPT with gradient clipping (so the global-norm clipping across stages is covered too).
-All runs of one world size share one launch of processes (see tests/_worker.py).
+All runs of one world size share one launch of processes (see tests/support/_worker.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import assert_close_losses, assert_close_params, launch
+from support.helpers import assert_close_losses, assert_close_params, launch
 
 from dynmo_lightning.pipeline.sharded import load_whole
 

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import SUPPORT
 
 from dynmo_lightning.launch import start_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-SCRIPT = Path(__file__).with_name("_fault_script.py")
+SCRIPT = SUPPORT / "_fault_script.py"
 
 
 def _kill_and_watch(tmp_path: Path, mode: str, victim: int) -> tuple[list[int | None], list[str], float]:

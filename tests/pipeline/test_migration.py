@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from _helpers import launch_script
+from support import SUPPORT
+from support.helpers import launch_script
 
 from dynmo_lightning.pipeline.migration import Move, plan_moves
 from dynmo_lightning.pipeline.runtime import StagePlan
@@ -25,7 +26,7 @@ def test_plan_moves_in_global_order():
 @pytest.mark.slow
 def test_layers_move_with_attributes_buffers_flags_and_optimizer_state(tmp_path: Path):
     out = tmp_path / "result"
-    launch_script(2, Path(__file__).with_name("_migration_script.py"), str(out), log_dir=tmp_path)
+    launch_script(2, SUPPORT / "_migration_script.py", str(out), log_dir=tmp_path)
     r0 = json.loads(Path(f"{out}.rank0.json").read_text())
     r1 = json.loads(Path(f"{out}.rank1.json").read_text())
     assert r0["moves"] == r1["moves"] == [[1, 2]]

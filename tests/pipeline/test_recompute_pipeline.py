@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _helpers import DP2, FREEZE, assert_close_losses, assert_close_params, launch
+from support.helpers import DP2, FREEZE, assert_close_losses, assert_close_params, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -8,7 +8,7 @@ import logging
 import os
 
 import pytest
-from fake_slurm import calls, env_with, install
+from support.fake_slurm import calls, env_with, install
 
 from dynmo_lightning import DynMoBalancer
 from dynmo_lightning.pipeline.groups import world_view

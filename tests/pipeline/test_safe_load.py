@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _helpers import launch
+from support.helpers import launch
 
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.launch import clean_env

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from _helpers import assert_close_losses, assert_close_model, launch
+from support.helpers import assert_close_losses, assert_close_model, launch
 
 from dynmo_lightning.models import GPT
 from dynmo_lightning.pipeline.ties import TieError, find_ties
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = ["trainer.max_steps=20", "model.tie_embeddings=true"]
 RANDOM = ["balancer=optimal", "balancer.method=random", "balancer.every_n_steps=2", "balancer.warmup_steps=0"]
 # blocks 1 and 2 declared tied (a model that ties by copying): random partitions split and merge them
-BLOCK_TIE = ["model._target_=tied_blocks.TiedBlocksGPT"]
+BLOCK_TIE = ["model._target_=support.tied_blocks.TiedBlocksGPT"]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_checkpoint_loads_into_the_plain_tied_model(runs):
 
 def test_copies_in_optimizer_groups_with_different_settings_are_refused(tmp_path):
     with pytest.raises(AssertionError, match=r"TieError: the copies of tied parameters .* different settings"):
-        launch(2, {tmp_path / "bad": [*STEPS, "model._target_=tied_blocks.DecayedHeadGPT"]})
+        launch(2, {tmp_path / "bad": [*STEPS, "model._target_=support.tied_blocks.DecayedHeadGPT"]})
 
 
 def test_ties_found_and_refused_when_shapes_differ():

@@ -1,5 +1,5 @@
 """A GPT whose blocks 1 and 2 tie their MLP input weights by declaration (how a model that ties by copying says so).
-Importable by the test workers (tests/ is on their path)."""
+Importable by the test workers as ``support.tied_blocks`` (tests/ is on their path)."""
 
 from dynmo_lightning.models import GPT
 

@@ -2,10 +2,10 @@
 
 Importing Lightning costs seconds per process on the test machines, so a launch of N processes runs a list of cases
 back to back (same world, same process group), each through the CLI's own ``run(cfg)`` with a composed Hydra config.
-Usage (by tests/_helpers.py): ``python tests/_worker.py SPEC.json`` with the distributed env vars set; with
-``"inject_costs": true`` in the spec the balancer sees structural layer costs instead of timings
-(``tests/injected_costs.py``); with ``"forbid_gathers": true`` every gather collective raises while the balancer
-plans (``forbid_gathers``), and each rank writes what its planning runs did to ``planning.rankR.json``.
+Usage (by tests/support/helpers.py): ``PYTHONPATH=tests python tests/support/_worker.py SPEC.json`` with the
+distributed env vars set; with ``"inject_costs": true`` in the spec the balancer sees structural layer costs instead
+of timings (``tests/support/injected_costs.py``); with ``"forbid_gathers": true`` every gather collective raises while
+the balancer plans (``forbid_gathers``), and each rank writes what its planning runs did to ``planning.rankR.json``.
 """
 
 import contextlib
@@ -15,7 +15,6 @@ import sys
 import traceback
 from pathlib import Path
 
-import injected_costs
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from hydra import compose, initialize_config_dir
@@ -24,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from dynmo_lightning.balance import BalancePolicy
 from dynmo_lightning.cli import CONF_DIR, run
 from dynmo_lightning.strategy import DynMoStrategy
+from support import injected_costs
 
 READ_BYTES = [0]
 GATHERS = ("all_gather_object", "all_gather", "gather", "gather_object", "all_gather_into_tensor")

@@ -1,5 +1,8 @@
-"""One rank of a launched job: the classifier of tests/classifier_model.py under DynMoStrategy; writes the metrics
-this process ended with to ``OUT_DIR/metrics.rank<R>.json``. Usage: ``python tests/_classifier_script.py OUT_DIR``."""
+"""One rank of a launched job: the classifier of tests/support/classifier_model.py under DynMoStrategy.
+
+Writes the metrics this process ended with to ``OUT_DIR/metrics.rank<R>.json``. Usage:
+``PYTHONPATH=tests python tests/support/_classifier_script.py OUT_DIR``.
+"""
 
 import json
 import os
@@ -7,9 +10,9 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
-from classifier_model import run
 
 from dynmo_lightning import DynMoStrategy
+from support.classifier_model import run
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """dynmo-train with injected layer costs and a probe of every process's view of the world (for launcher tests).
 
-``python tests/_elastic_train.py OVERRIDES...`` (under torchrun): at the end of training every process writes
-``<run_dir>/world/rank<R>.json`` (its environment, the Trainer's, the module's and torch.distributed's idea of the
-world); a process released by a consolidation writes ``released-<old rank>.json`` from the ``on_released`` hook.
+``PYTHONPATH=tests python tests/support/_elastic_train.py OVERRIDES...`` (under torchrun): at the end of training every
+process writes ``<run_dir>/world/rank<R>.json`` (its environment, the Trainer's, the module's and torch.distributed's
+idea of the world); a process released by a consolidation writes ``released-<old rank>.json`` from the ``on_released``
+hook.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import injected_costs
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import dynmo_lightning.cli as cli
 from dynmo_lightning.pipeline.release import node_name
+from support import injected_costs
 
 ENV = (
     "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_PORT",

@@ -1,8 +1,8 @@
 """A model as a user writes it: plain nn.Module layers built in __init__, its own training_step and DataLoader.
 
 Not the reference GPT: residual MLP blocks on random regression data, made pipeline-ready by the two protocol methods.
-Used by ``tests/test_user_model.py`` in-process (plain single-device Lightning) and by ``tests/_user_script.py`` in
-launched processes (``DynMoStrategy``).
+Used by ``tests/test_user_model.py`` in-process (plain single-device Lightning) and by
+``tests/support/_user_script.py`` in launched processes (``DynMoStrategy``).
 """
 
 from __future__ import annotations

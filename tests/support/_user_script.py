@@ -1,8 +1,8 @@
-"""One rank of a launched job training the user's model (tests/user_model.py) under DynMoStrategy, case by case.
+"""One rank of a launched job training the user's model (tests/support/user_model.py) under DynMoStrategy, case by case.
 
-Usage: ``python tests/_user_script.py OUT_DIR CASE [CASE ...]`` with the distributed environment set; a case is
-``name:key=value,...`` with keys ``dp`` (replicas), ``batch`` (per replica), ``shuffle`` (0/1), ``random`` (1: the
-balancer moves layers to a random split every 3 steps).
+Usage: ``PYTHONPATH=tests python tests/support/_user_script.py OUT_DIR CASE [CASE ...]`` with the distributed
+environment set; a case is ``name:key=value,...`` with keys ``dp`` (replicas), ``batch`` (per replica), ``shuffle``
+(0/1), ``random`` (1: the balancer moves layers to a random split every 3 steps).
 """
 
 import os
@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
-from user_model import fit, save
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
+from support.user_model import fit, save
 
 
 def main() -> None:

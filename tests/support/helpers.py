@@ -85,13 +85,13 @@ def launch(
     load_rises_at: int | None = None,
     forbid_gathers: bool = False,
 ) -> dict[Path, CliRun]:
-    """Run several dynmo-train configurations in one launch of ``world_size`` processes (``tests/_worker.py``).
+    """Run several dynmo-train configurations in one launch of ``world_size`` processes (``tests/support/_worker.py``).
 
     Every case gets the tiny config plus its overrides and ``trainer.devices=world_size``; returns one
     :class:`CliRun` per run directory. ``inject_costs``: the balancer plans from structural layer costs instead of
-    measured times (``tests/injected_costs.py``), for tests whose verdict depends on its decisions; from step
+    measured times (``tests/support/injected_costs.py``), for tests whose verdict depends on its decisions; from step
     ``load_rises_at`` on, frozen layers cost as if they trained again. ``forbid_gathers``: every gather collective
-    raises while the balancer plans (``tests/_worker.py``).
+    raises while the balancer plans (``tests/support/_worker.py``).
     """
     spec_dir = next(iter(cases)).parent
     spec_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """One rank of a 3-rank job that a test kills from outside mid-step, mid-migration or mid-checkpoint-write.
 
-``python _fault_script.py MODE MARKER RUN_DIR``: the victim (rank 2; rank 0 for ``checkpoint``) reaches the phase,
-touches MARKER and stalls there until the test SIGKILLs it.
+``PYTHONPATH=tests python tests/support/_fault_script.py MODE MARKER RUN_DIR``: the victim (rank 2; rank 0 for
+``checkpoint``) reaches the phase, touches MARKER and stalls there until the test SIGKILLs it.
 """
 
 import os

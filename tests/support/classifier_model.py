@@ -3,7 +3,7 @@ labels, its own validation and test steps with torchmetrics ``Accuracy``, and it
 
 Its ``validation_step``/``test_step`` (plain Lightning) and the strategy call the same ``pipeline_eval_step``.
 Used by ``tests/test_evaluation.py`` in-process (plain single-device Lightning, and the strategy at P = 1) and by
-``tests/_classifier_script.py`` in launched processes (P = 2, 4).
+``tests/support/_classifier_script.py`` in launched processes (P = 2, 4).
 """
 
 from __future__ import annotations

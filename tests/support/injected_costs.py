@@ -48,7 +48,8 @@ def inject(load_rises_at: int | None = None) -> None:
     DynMoStrategy.profile_results = profile_results  # type: ignore[method-assign]
 
 
-if __name__ == "__main__":  # `python tests/injected_costs.py OVERRIDES...`: dynmo-train with injected costs
+# `PYTHONPATH=tests python tests/support/injected_costs.py OVERRIDES...`: dynmo-train with injected costs.
+if __name__ == "__main__":
     from dynmo_lightning.cli import train
 
     inject()

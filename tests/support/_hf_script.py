@@ -1,8 +1,8 @@
-"""One rank of a launched job training a tiny Hugging Face model (tests/hf_models.py) under DynMoStrategy.
+"""One rank of a launched job training a tiny Hugging Face model (tests/support/hf_models.py) under DynMoStrategy.
 
-Usage: ``python tests/_hf_script.py OUT_DIR CASE [CASE ...]`` with the distributed environment set; a case is
-``name:key=value,...`` with keys ``family`` (llama / gpt2), ``random`` (1: the balancer moves layers to a random
-split every 3 steps), ``freeze`` (1: layers 0-2 freeze at step 4), ``mod`` (1: Mixture of Depths, :data:`MOD`)
+Usage: ``PYTHONPATH=tests python tests/support/_hf_script.py OUT_DIR CASE [CASE ...]`` with the distributed environment
+set; a case is ``name:key=value,...`` with keys ``family`` (llama / gpt2), ``random`` (1: the balancer moves layers to a
+random split every 3 steps), ``freeze`` (1: layers 0-2 freeze at step 4), ``mod`` (1: Mixture of Depths, :data:`MOD`)
 and ``prune`` (1: structured pruning, :data:`PRUNE`); ``cli=1`` runs ``dynmo-train`` (the CLI's ``run``) in
 ``OUT_DIR/name`` with the overrides listed in ``OUT_DIR/name.json`` instead.
 """
@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
-from hf_models import fit, pipeline_model, save
 from hydra import compose, initialize_config_dir
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.callbacks import GradualPruning, LayerFreezing, MixtureOfDepths
 from dynmo_lightning.cli import CONF_DIR, run
+from support.hf_models import fit, pipeline_model, save
 
 FREEZE = {0: 4, 1: 4, 2: 4}
 MOD = {"capacity": 0.5, "every": 2, "start_step": 3, "anneal_steps": 3}

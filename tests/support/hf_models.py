@@ -1,4 +1,4 @@
-"""Tiny Hugging Face models, their data and training, shared by tests/models/test_hf.py and tests/_hf_script.py.
+"""Tiny Hugging Face models, their data and training, shared by tests/models/test_hf.py and tests/support/_hf_script.py.
 
 The reference is plain single-device Lightning training the Hugging Face model through its own ``forward``
 (:class:`PlainHF`); pipeline runs train ``from_hf`` of the same model under DynMoStrategy.
