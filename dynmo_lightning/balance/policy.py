@@ -374,9 +374,12 @@ class BalancePolicy:
         t, split = next((o for o in options if o[0] <= bar), min(options, key=lambda o: o[0]))
         if now - t < self.min_gain * now:
             return None
-        return Decision(
-            GROW, list(pipe.layers_per_stage), split, None, now, t, info={"admit": len(split) - pipe.n_stages}
-        )
+        # The re-admitted ranks join after the running ones (the kept ranks keep their order): layers change owner
+        # where the new split puts them on another rank than now.
+        moved = bytes_moved(pipe.layers_per_stage, split, self.layer_bytes())
+        seconds = moved / self.bandwidth + self.migration_overhead
+        admit = {"admit": len(split) - pipe.n_stages}
+        return Decision(GROW, list(pipe.layers_per_stage), split, None, now, t, moved, seconds, info=admit)
 
     def _migration(
         self, pipe: PipelineShape, proposed: list[int], info: dict[str, Any], planned: Sequence[StageOutcome] | None
