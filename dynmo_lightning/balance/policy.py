@@ -14,13 +14,16 @@ A policy keeps what it has measured (a :class:`~dynmo_lightning.balance.CostTrac
   waiting for the next multiple of ``every_n_steps``: the balancer reacts within a few steps, still planning from
   more than one measurement;
 * :meth:`BalancePolicy.due` - whether a check is due once ``step`` optimizer steps are done;
-* :meth:`BalancePolicy.decide` - the check itself: plan a split with ``method``, decide whether migrating to it pays
-  (:func:`~dynmo_lightning.balance.should_repartition`: the predicted saving until the next check beats the
-  migration time, bytes to move over the bandwidth, and the relative gain beats ``min_gain``), then, with
+* :meth:`BalancePolicy.decide` - the check itself: plan a split with ``method`` (``"optimal"`` and ``"static_time"``:
+  the makespan-optimal split, :func:`~dynmo_lightning.balance.planner.makespan_split`), decide whether migrating to
+  it pays (:func:`~dynmo_lightning.balance.cost_model.repartition_pays` on the two makespans of the schedule's own
+  task order, :class:`~dynmo_lightning.balance.planner.StepModel`: the predicted saving until the next check beats
+  the migration time, bytes to move over the bandwidth, and the relative gain beats ``min_gain``), then, with
   ``repack``, whether fewer ranks keep the step time (:func:`~dynmo_lightning.balance.plan_repack`) or, when
   released ranks wait to come back (``PipelineShape.waiting``), whether more stages pay again: a *grow*, when the
-  pipeline is slower than ``repack_tolerance`` of the full pipeline's best, to the fewest stages within it. Both
-  aim at the same stage count for the same costs, so a shrink and a grow never undo each other.
+  pipeline's makespan is more than ``repack_tolerance`` above the full pipeline's best, to the fewest stages within
+  it (charged like a migration: the bytes of the layers that change rank). Both aim at the same stage count for
+  the same costs, so a shrink and a grow never undo each other.
 
 The caller carries the decisions out (moves layers, or replays their cost) and reports measured migrations back with
 :meth:`BalancePolicy.record_migration`, which updates the bandwidth estimate.
