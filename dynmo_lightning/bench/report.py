@@ -320,7 +320,8 @@ def _scale_section(sim: Mapping[str, Any]) -> list[str]:
         f"{net['migration_bandwidth'] / 1e9:.2f} GB/s (all measured on this machine). Speed-ups are over the uniform "
         "split (Megatron-LM's); the oracle re-splits makespan-optimally at every step, for free. Every step time, "
         "decision and oracle split comes from the makespan of 1F1B's own task order (`balance.makespan`). The "
-        "uniform split gives every stage the same number of blocks and leaves the embedding and the vocabulary head on the end stages, so a "
+        "uniform split gives every stage the same number of blocks and leaves the embedding and the vocabulary "
+        "head on the end stages, so a "
         "split balanced once on measured costs (`static_time`) already beats it without any dynamic; the column "
         "*DynMo over `static_time`* is what re-balancing during training adds to that.",
         "",
