@@ -293,43 +293,30 @@ def execute(
         order, t = orders[r], free[r]
         while position[r] < len(order):
             kind, s, m = order[position[r]]
+            # What the task waits for (a done-time table, the key a blocked rank waits under, the hop) and makes.
             if kind == "F":
-                if s == 0:
-                    ready = 0.0
-                else:
-                    ready = done_f[s - 1][m]
-                    if ready < 0:
-                        waiting[0, s - 1, m] = r
-                        break
-                    ready += hop[0][s]
-                start = t if t > ready else ready
-                t = start + f[s][m]
-                done_f[s][m] = t
-                woken = waiting.pop((0, s, m), None)
+                dep, key, extra, took, out = (done_f[s - 1] if s else None), (0, s - 1, m), hop[0][s], f[s][m], 0
             elif kind == "W":
-                ready = done_g[s][m]
-                if ready < 0:  # cannot happen in torch's orders (W follows its own I on the rank)
-                    waiting[1, s, m] = r
-                    break
-                start = t if t > ready else ready
-                t = start + w[s][m]
-                woken = None
+                dep, key, extra, took, out = done_g[s], (1, s, m), 0.0, w[s][m], None
             else:
+                took, out = (b[s][m] - w[s][m] if kind == "I" else b[s][m]), 1
                 if s == last:
-                    ready = done_f[s][m]
-                    if ready < 0:
-                        waiting[0, s, m] = r
-                        break
+                    dep, key, extra = done_f[s], (0, s, m), 0.0
                 else:
-                    ready = done_g[s + 1][m]
-                    if ready < 0:
-                        waiting[1, s + 1, m] = r
-                        break
-                    ready += hop[1][s]
-                start = t if t > ready else ready
-                t = start + (b[s][m] if kind == "B" else b[s][m] - w[s][m])
-                done_g[s][m] = t
-                woken = waiting.pop((1, s, m), None)
+                    dep, key, extra = done_g[s + 1], (1, s + 1, m), hop[1][s]
+            ready = 0.0
+            if dep is not None:
+                ready = dep[m]
+                if ready < 0:
+                    waiting[key] = r
+                    break
+                ready += extra
+            start = t if t > ready else ready
+            t = start + took
+            woken = None
+            if out is not None:
+                (done_g if out else done_f)[s][m] = t
+                woken = waiting.pop((out, s, m), None)
             position[r] += 1
             remaining -= 1
             if record:
