@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -75,6 +76,8 @@ class StepModel:
         self._prefix.append(np.concatenate([[0.0], np.cumsum(weights)]))
         self.costs = [f + b for f, b in zip(fwd, bwd, strict=True)]
         self._memo: dict[tuple[int, ...], float] = {}
+        #: Plans of :func:`makespan_split` on these costs, by its arguments.
+        self.plans: dict[tuple[Any, ...], tuple[float, list[int]] | None] = {}
 
     def stage_times(self, split: Sequence[int]) -> tuple[list[float], list[float], list[float]]:
         """Per-stage forward, backward and weight-part sums of ``split``."""
@@ -135,6 +138,25 @@ def makespan_split(
     Returns:
         ``(makespan, split)``, or ``None`` when no split fits in memory.
     """
+    key = (
+        n_stages,
+        None if memory is None else tuple(memory),
+        capacity if capacity is None or isinstance(capacity, (int, float)) else tuple(capacity),
+        None if start is None else tuple(start),
+    )
+    if key not in model.plans:  # the policy asks again at every check while the costs stand
+        model.plans[key] = _search(model, n_stages, memory, capacity, start)
+    found = model.plans[key]
+    return None if found is None else (found[0], list(found[1]))
+
+
+def _search(
+    model: StepModel,
+    n_stages: int,
+    memory: Sequence[float] | None,
+    capacity: float | Sequence[float] | None,
+    start: Sequence[int] | None,
+) -> tuple[float, list[int]] | None:
     try:
         seed = partition(model.costs, n_stages, method="optimal", memory=memory, capacity=capacity)
     except InfeasibleMemoryError:

@@ -429,6 +429,7 @@ class BalancePolicy:
             capacity=capacity,
             nodes=pipe.nodes,
             reference_stages=self.full_stages,
+            model=self.step_model(pipe),
         )
         if plan is None:
             return None

@@ -70,6 +70,7 @@ def plan_repack(
     capacity: float | Sequence[float] | None = None,
     nodes: Sequence[Hashable] | None = None,
     reference_stages: int | None = None,
+    model: StepModel | None = None,
 ) -> RepackPlan | None:
     """The smallest consolidation predicted within ``tolerance`` of the current step time, or ``None``.
 
@@ -91,6 +92,7 @@ def plan_repack(
         reference_stages: the tolerance is relative to the optimal split over this many stages (the job's full
             pipeline): consolidations one after another then never add up to more than ``tolerance`` (relative to
             the current step time, each would allow ``tolerance`` more). ``None``: relative to the current step time.
+        model: the step model of these costs and timing, to reuse its memoised makespans (made here when omitted).
 
     Returns:
         The plan with the fewest stages (fewer than now), or ``None`` when no smaller pipeline is fast enough.
@@ -108,7 +110,8 @@ def plan_repack(
         layer_bytes = [1.0] * n_layers
     if nodes is not None and len(nodes) != len(current):
         raise ValueError(f"nodes has {len(nodes)} entries for {len(current)} ranks: give one node per rank")
-    model = StepModel(fwd, bwd, n_microbatches, schedule, p2p, wgt=wgt)
+    if model is None:
+        model = StepModel(fwd, bwd, n_microbatches, schedule, p2p, wgt=wgt)
     now = model(current)
     bar = (1 + tolerance) * now
     if reference_stages is not None:
