@@ -28,9 +28,15 @@ the number of layers, stage ``i`` holding the next contiguous block. Stages and 
   running so that the fewest bytes move (:class:`RepackPlan`).
 * :class:`BalancePolicy` (:mod:`~dynmo_lightning.balance.policy`) - THE decision (keep / migrate / repack) with
   its cadence and cost tracker, driven by the runtime balancer and replayed by the simulator alike.
-* Cost model (:mod:`~dynmo_lightning.balance.cost_model`): :func:`stage_times`, :func:`step_time`,
-  :func:`bubble_fraction`, :func:`should_repartition` - GPipe/1F1B step time under a split, and whether a
-  re-partition saves more than the migration costs.
+* Step-time model (:mod:`~dynmo_lightning.balance.makespan`): :func:`makespan` - the makespan of torch 2.13's task
+  order for ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zb"``, ``"zbv"`` and ``"dualpipev"``
+  over per-stage forward, backward and backward-weight times, p2p hops and the stage-to-rank placement
+  (:mod:`~dynmo_lightning.balance.placement`); an ``O(P M)`` event engine, the one the simulator runs too.
+* :func:`makespan_split`, :class:`StepModel` (:mod:`~dynmo_lightning.balance.planner`) - the makespan-optimal split
+  within memory caps, what every decision plans for.
+* Closed form (:mod:`~dynmo_lightning.balance.cost_model`): :func:`stage_times`, :func:`step_time`,
+  :func:`bubble_fraction`, :func:`should_repartition` - the fill/drain estimate of GPipe/1F1B (exact only where its
+  module says), and whether a re-partition saves more than the migration costs.
 
 Invalid arguments raise ``ValueError`` with a message naming the bad value and how to fix it.
 """
@@ -45,8 +51,10 @@ from dynmo_lightning.balance.layout import (
     stage_loads,
     validate_partition,
 )
+from dynmo_lightning.balance.makespan import makespan
 from dynmo_lightning.balance.optimal import InfeasibleMemoryError
 from dynmo_lightning.balance.partition import METHODS, partition
+from dynmo_lightning.balance.planner import StepModel, makespan_split
 from dynmo_lightning.balance.policy import BalancePolicy, Decision, PipelineShape
 from dynmo_lightning.balance.repack import RepackPlan, plan_repack
 from dynmo_lightning.balance.tracker import CostTracker
@@ -60,12 +68,15 @@ __all__ = [
     "InfeasibleMemoryError",
     "PipelineShape",
     "RepackPlan",
+    "StepModel",
     "bottleneck",
     "bubble_fraction",
     "bytes_moved",
     "diffuse",
     "imbalance",
     "layer_owners",
+    "makespan",
+    "makespan_split",
     "partition",
     "plan_repack",
     "should_repartition",

@@ -15,6 +15,15 @@ Model (the standard fill/drain picture, also used by the discrete-event simulato
 
 With equal stages (``f_s = f``, ``b_s = b``) both reduce to ``(M + P - 1)(f + b) + 2 (P - 1) p2p``. The model
 ignores optimizer, gradient all-reduce and recomputation time, and memory limits on in-flight micro-batches.
+
+Where the closed form is exact (``tests/balance/test_makespan.py``, ``tests/sim/test_sim_closed_form.py``): GPipe
+with per-stage constant times, any stages and any ``p2p``; 1F1B with equal stages and ``p2p = 0``. Elsewhere it
+is off both ways (a heavy first stage at few micro-batches hides in the others' fill; forward and backward
+bottlenecks on different stages stall the warm-up; 1F1B cannot hide the hops), and it knows nothing of interleaved
+or zero-bubble schedules. Decisions therefore never use it: the policy, the repack planner, the oracle and the
+simulator use the makespan of the schedule's own task order (:mod:`~dynmo_lightning.balance.makespan`,
+:class:`~dynmo_lightning.balance.planner.StepModel`). :func:`step_time` and :func:`should_repartition` stay for
+the quick estimate and for comparison; :func:`repartition_pays` is the rule the policy applies to makespans.
 """
 
 from __future__ import annotations

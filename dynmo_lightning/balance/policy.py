@@ -14,13 +14,16 @@ A policy keeps what it has measured (a :class:`~dynmo_lightning.balance.CostTrac
   waiting for the next multiple of ``every_n_steps``: the balancer reacts within a few steps, still planning from
   more than one measurement;
 * :meth:`BalancePolicy.due` - whether a check is due once ``step`` optimizer steps are done;
-* :meth:`BalancePolicy.decide` - the check itself: plan a split with ``method``, decide whether migrating to it pays
-  (:func:`~dynmo_lightning.balance.should_repartition`: the predicted saving until the next check beats the
-  migration time, bytes to move over the bandwidth, and the relative gain beats ``min_gain``), then, with
+* :meth:`BalancePolicy.decide` - the check itself: plan a split with ``method`` (``"optimal"`` and ``"static_time"``:
+  the makespan-optimal split, :func:`~dynmo_lightning.balance.planner.makespan_split`), decide whether migrating to
+  it pays (:func:`~dynmo_lightning.balance.cost_model.repartition_pays` on the two makespans of the schedule's own
+  task order, :class:`~dynmo_lightning.balance.planner.StepModel`: the predicted saving until the next check beats
+  the migration time, bytes to move over the bandwidth, and the relative gain beats ``min_gain``), then, with
   ``repack``, whether fewer ranks keep the step time (:func:`~dynmo_lightning.balance.plan_repack`) or, when
   released ranks wait to come back (``PipelineShape.waiting``), whether more stages pay again: a *grow*, when the
-  pipeline is slower than ``repack_tolerance`` of the full pipeline's best, to the fewest stages within it. Both
-  aim at the same stage count for the same costs, so a shrink and a grow never undo each other.
+  pipeline's makespan is more than ``repack_tolerance`` above the full pipeline's best, to the fewest stages within
+  it (charged like a migration: the bytes of the layers that change rank). Both aim at the same stage count for
+  the same costs, so a shrink and a grow never undo each other.
 
 The caller carries the decisions out (moves layers, or replays their cost) and reports measured migrations back with
 :meth:`BalancePolicy.record_migration`, which updates the bandwidth estimate.
@@ -35,7 +38,7 @@ import random
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from dynmo_lightning.balance.cost_model import repartition_pays, stage_times, step_time
+from dynmo_lightning.balance.cost_model import repartition_pays
 from dynmo_lightning.balance.diffusion import (
     EXACT,
     MODES,
@@ -46,7 +49,9 @@ from dynmo_lightning.balance.diffusion import (
     shared_capacity,
 )
 from dynmo_lightning.balance.layout import bytes_moved
+from dynmo_lightning.balance.makespan import makespan
 from dynmo_lightning.balance.partition import partition
+from dynmo_lightning.balance.planner import StepModel, makespan_split
 from dynmo_lightning.balance.repack import best_split, plan_repack
 from dynmo_lightning.balance.tracker import CostTracker
 
@@ -71,9 +76,11 @@ class PipelineShape:
 
     Attributes:
         layers_per_stage: the split in force.
-        n_ranks: processes of the pipeline (stage ``s`` runs on rank ``s % n_ranks``).
+        n_ranks: processes of the pipeline (stage ``s`` runs on the rank
+            :func:`~dynmo_lightning.balance.placement.stage_ranks` gives: ``s % n_ranks``, or the V of ZBV/DualPipeV).
         n_microbatches: micro-batches per step.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        schedule: a schedule of :data:`~dynmo_lightning.balance.makespan.SCHEDULES` (its task order is what the
+            step time of every decision is simulated from).
         param_counts: parameters of each layer (for ``method="params"``).
         nodes: the node each rank runs on (a repack then frees whole nodes); ``None``: unknown.
         waiting: released ranks that wait and may be re-admitted (a grow adds up to this many stages).
@@ -93,9 +100,9 @@ class PipelineShape:
         return len(self.layers_per_stage)
 
     @property
-    def cost_schedule(self) -> str:
-        """The cost model's name for the schedule (interleaved 1F1B runs at the pace of 1F1B)."""
-        return "gpipe" if self.schedule == "gpipe" else "1f1b"
+    def stages_per_rank(self) -> int:
+        """Stages each rank runs (more than one: interleaved and V schedules)."""
+        return max(1, self.n_stages // self.n_ranks)
 
     @property
     def inflight(self) -> int:
@@ -211,6 +218,7 @@ class BalancePolicy:
         #: Fresh measurements since the last event (``None``: no event waiting for its check).
         self.after_event: int | None = None
         self._rng = random.Random(seed)
+        self._model: tuple[Any, StepModel, Any] | None = None
 
     # ----------------------------------------------------------------------------------------------------------------
     def start(self, n_layers: int) -> CostTracker:
@@ -280,7 +288,11 @@ class BalancePolicy:
                 self.tracker.compute, pipe.layers_per_stage, memory=memory, capacity=capacity, mode=self.diffusion_mode
             )
             return result.layers_per_stage, {"diffusion_rounds": result.rounds}
-        return partition(self.tracker.compute, n_stages, method="optimal", memory=memory, capacity=capacity), {}
+        found = makespan_split(self.step_model(pipe), n_stages, memory=memory, capacity=capacity)
+        if found is None:  # no split fits: let the partitioner say why
+            partition(self.tracker.compute, n_stages, method="optimal", memory=memory, capacity=capacity)
+        assert found is not None
+        return found[1], {}
 
     def diffusion_stage(self, pipe: PipelineShape, stage: int) -> DiffusionStage:
         """Pipeline stage ``stage``'s machine of the diffusion protocol, from the tracked numbers of its OWN layers.
@@ -347,12 +359,11 @@ class BalancePolicy:
         """
         assert self.tracker is not None
         memory, capacity = self._memory(pipe)
-        v = self.tracker.values
-        n_layers = len(v["fwd"])
-        timing = {"n_microbatches": pipe.n_microbatches, "schedule": pipe.cost_schedule, "p2p": self.p2p}
+        n_layers = self.tracker.n_layers
+        model = self.step_model(pipe)
 
         def best(n_stages: int) -> tuple[float, list[int]] | None:
-            return best_split(v["fwd"], v["bwd"], n_stages, memory=memory, capacity=capacity, **timing)
+            return best_split(model, n_stages, memory=memory, capacity=capacity)
 
         now, full = self._step_time(pipe, pipe.layers_per_stage), best(min(self.full_stages, n_layers))
         bar = (1 + self.repack_tolerance) * (full[0] if full is not None else now)
@@ -366,9 +377,12 @@ class BalancePolicy:
         t, split = next((o for o in options if o[0] <= bar), min(options, key=lambda o: o[0]))
         if now - t < self.min_gain * now:
             return None
-        return Decision(
-            GROW, list(pipe.layers_per_stage), split, None, now, t, info={"admit": len(split) - pipe.n_stages}
-        )
+        # The re-admitted ranks join after the running ones (the kept ranks keep their order): layers change owner
+        # where the new split puts them on another rank than now.
+        moved = bytes_moved(pipe.layers_per_stage, split, self.layer_bytes())
+        seconds = moved / self.bandwidth + self.migration_overhead
+        admit = {"admit": len(split) - pipe.n_stages}
+        return Decision(GROW, list(pipe.layers_per_stage), split, None, now, t, moved, seconds, info=admit)
 
     def _migration(
         self, pipe: PipelineShape, proposed: list[int], info: dict[str, Any], planned: Sequence[StageOutcome] | None
@@ -383,15 +397,15 @@ class BalancePolicy:
             return Decision(MIGRATE if proposed != current else KEEP, current, proposed, info=info)
         assert self.tracker is not None
         if planned is None:
-            v = self.tracker.values
-            before, after = (stage_times(v["fwd"], v["bwd"], split) for split in (current, proposed))
+            model = self.step_model(pipe)
+            before, after = (model.stage_times(split)[:2] for split in (current, proposed))
             moved = bytes_moved(current, proposed, self.layer_bytes(), pipe.n_ranks)
         else:  # sums over (compute, memory, fwd, bwd, bytes), see diffusion_stage
             before = ([o.old[2] for o in planned], [o.old[3] for o in planned])
             after = ([o.new[2] for o in planned], [o.new[3] for o in planned])
             moved = math.fsum(o.received[4] for o in planned)
         seconds = moved / self.bandwidth + self.migration_overhead
-        now, new = (step_time(*t, pipe.n_microbatches, pipe.cost_schedule, self.p2p) for t in (before, after))
+        now, new = (self._makespan(pipe, *t) for t in (before, after))
         min_gain = self.min_gain if self.method != "static_time" else 0.0
         go, saving = repartition_pays(now, new, self.every_n_steps, seconds, min_gain)
         return Decision(MIGRATE if go else KEEP, current, proposed, None, now, new, moved, seconds, saving, info)
@@ -405,8 +419,9 @@ class BalancePolicy:
             v["bwd"],
             pipe.layers_per_stage,
             n_microbatches=pipe.n_microbatches,
-            schedule=pipe.cost_schedule,
+            schedule=pipe.schedule,
             p2p=self.p2p,
+            wgt=v.get("wgt"),
             tolerance=self.repack_tolerance,
             min_stages=self.min_stages,
             layer_bytes=self.layer_bytes(),
@@ -414,6 +429,7 @@ class BalancePolicy:
             capacity=capacity,
             nodes=pipe.nodes,
             reference_stages=self.full_stages,
+            model=self.step_model(pipe),
         )
         if plan is None:
             return None
@@ -436,10 +452,32 @@ class BalancePolicy:
         v = self.tracker.values
         return [p + o for p, o in zip(v["param_bytes"], v["optim_bytes"], strict=True)]
 
-    def _step_time(self, pipe: PipelineShape, split: list[int]) -> float:
+    def step_model(self, pipe: PipelineShape) -> StepModel:
+        """The makespan model of the tracked costs under ``pipe``'s schedule, micro-batches and placement.
+
+        The weight-gradient part of each layer's backward (zero-bubble ``W`` tasks) is the tracker's ``"wgt"`` field
+        where the profiler records one, else 0 (the whole backward runs as the input part).
+        """
         assert self.tracker is not None
         v = self.tracker.values
-        return step_time(*stage_times(v["fwd"], v["bwd"], split), pipe.n_microbatches, pipe.cost_schedule, self.p2p)
+        key = (pipe.n_microbatches, pipe.schedule, pipe.stages_per_rank, self.p2p)
+        costs = (list(v["fwd"]), list(v["bwd"]), list(v.get("wgt") or []))
+        if self._model is None or self._model[0] != key or self._model[2] != costs:
+            model = StepModel(
+                v["fwd"], v["bwd"], pipe.n_microbatches, pipe.schedule, self.p2p,
+                wgt=v.get("wgt"), stages_per_rank=pipe.stages_per_rank,
+            )  # fmt: skip
+            self._model = (key, model, costs)
+        return self._model[1]
+
+    def _step_time(self, pipe: PipelineShape, split: list[int]) -> float:
+        return self.step_model(pipe)(split)
+
+    def _makespan(self, pipe: PipelineShape, stage_fwd: Sequence[float], stage_bwd: Sequence[float]) -> float:
+        """The makespan from per-stage sums (all the diffusion protocol's outcome carries)."""
+        return makespan(
+            stage_fwd, stage_bwd, pipe.n_microbatches, pipe.schedule, self.p2p, stages_per_rank=pipe.stages_per_rank
+        )
 
     def _capacities(self, pipe: PipelineShape) -> list[float] | None:
         """The memory capacity as a list (one entry, or one per stage), ``None`` without one."""

@@ -2,10 +2,12 @@
 
 When dynamic techniques shrink the work (frozen layers cost only their forward, pruned layers shrink, exited tokens
 skip layers), the same step time can often be had on fewer workers: fewer stages also mean a shorter pipeline fill
-and drain (the cost model's ``sum + (M - 1) * max`` has fewer terms in the sum and fewer hops). :func:`plan_repack`
-finds the smallest stage count ``P'`` whose optimal split is predicted within ``tolerance`` of the best step time (the
-optimal split over ``reference_stages``, the pipeline's full size; the current step time when not given) and fits in
-memory, and chooses which of the current ranks keep running so that the fewest bytes move.
+and drain and fewer hops. :func:`plan_repack` finds the smallest stage count ``P'`` whose makespan-optimal split
+(:func:`~dynmo_lightning.balance.planner.makespan_split`: the schedule's own task order, simulated) is within
+``tolerance`` of the best makespan (the makespan-optimal split over ``reference_stages``, the pipeline's full size;
+the current split's makespan when not given) and fits in memory, and chooses which of the current ranks keep
+running so that the fewest bytes move. A stage count whose bound ``M * (its least bottleneck)`` already misses the
+bar is never simulated.
 
 Rank choice: new stage ``s`` runs on kept rank ``r_s``, with ``r_0 = 0`` (rank 0 logs and checkpoints, it is never
 released) and ``r_0 < r_1 < ...`` (the kept ranks keep their order, so the new process group numbers them the same
@@ -27,10 +29,9 @@ import itertools
 import math
 from collections.abc import Hashable, Sequence
 
-from dynmo_lightning.balance.cost_model import stage_times, step_time
-from dynmo_lightning.balance.layout import validate_partition
-from dynmo_lightning.balance.optimal import InfeasibleMemoryError
+from dynmo_lightning.balance.layout import bottleneck, validate_partition
 from dynmo_lightning.balance.partition import partition
+from dynmo_lightning.balance.planner import StepModel, makespan_split
 
 #: Node sets tried exactly when choosing which nodes keep running (beyond: the fullest nodes, greedily).
 MAX_NODE_SETS = 4096
@@ -61,6 +62,7 @@ def plan_repack(
     n_microbatches: int,
     schedule: str = "1f1b",
     p2p: float = 0.0,
+    wgt: Sequence[float] | None = None,
     tolerance: float = 0.05,
     min_stages: int = 1,
     layer_bytes: Sequence[float] | None = None,
@@ -68,6 +70,7 @@ def plan_repack(
     capacity: float | Sequence[float] | None = None,
     nodes: Sequence[Hashable] | None = None,
     reference_stages: int | None = None,
+    model: StepModel | None = None,
 ) -> RepackPlan | None:
     """The smallest consolidation predicted within ``tolerance`` of the current step time, or ``None``.
 
@@ -76,9 +79,10 @@ def plan_repack(
         bwd: backward time of each layer for one micro-batch.
         current: layers per stage now (one stage per rank).
         n_microbatches: micro-batches per step.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: a schedule with one stage per rank (``"gpipe"``, ``"1f1b"``).
         p2p: one-hop transfer time.
-        tolerance: accepted relative slow-down, ``>= 0`` (0.05: at most 5 % slower).
+        wgt: weight-gradient part of each layer's backward (zero-bubble schedules); ``None``: 0.
+        tolerance: accepted relative slow-down of the makespan, ``>= 0`` (0.05: at most 5 % slower).
         min_stages: never plan fewer stages than this.
         layer_bytes: bytes that move with each layer (parameters, optimizer state); 1 per layer when omitted.
         memory: memory each layer needs on its stage (with ``capacity``); the new stages must fit.
@@ -88,6 +92,7 @@ def plan_repack(
         reference_stages: the tolerance is relative to the optimal split over this many stages (the job's full
             pipeline): consolidations one after another then never add up to more than ``tolerance`` (relative to
             the current step time, each would allow ``tolerance`` more). ``None``: relative to the current step time.
+        model: the step model of these costs and timing, to reuse its memoised makespans (made here when omitted).
 
     Returns:
         The plan with the fewest stages (fewer than now), or ``None`` when no smaller pipeline is fast enough.
@@ -105,15 +110,19 @@ def plan_repack(
         layer_bytes = [1.0] * n_layers
     if nodes is not None and len(nodes) != len(current):
         raise ValueError(f"nodes has {len(nodes)} entries for {len(current)} ranks: give one node per rank")
-    timing = {"n_microbatches": n_microbatches, "schedule": schedule, "p2p": p2p}
-    now = step_time(*stage_times(fwd, bwd, current), n_microbatches, schedule, p2p)
+    if model is None:
+        model = StepModel(fwd, bwd, n_microbatches, schedule, p2p, wgt=wgt)
+    now = model(current)
     bar = (1 + tolerance) * now
     if reference_stages is not None:
-        reference = best_split(fwd, bwd, max(1, min(reference_stages, n_layers)), **timing)
+        reference = best_split(model, max(1, min(reference_stages, n_layers)))
         assert reference is not None  # no memory limit: every stage count up to the layers is feasible
         bar = (1 + tolerance) * reference[0]
     for n_stages in range(min_stages, len(current)):
-        best = best_split(fwd, bwd, n_stages, memory=memory, capacity=capacity, **timing)
+        # No split of n_stages beats M times its least bottleneck: skip the stage counts that bound rules out.
+        if n_microbatches * bottleneck(model.costs, partition(model.costs, n_stages)) > bar:
+            continue
+        best = best_split(model, n_stages, memory=memory, capacity=capacity)
         if best is None:
             continue
         predicted, proposed = best
@@ -128,23 +137,14 @@ def plan_repack(
 
 
 def best_split(
-    fwd: Sequence[float],
-    bwd: Sequence[float],
+    model: StepModel,
     n_stages: int,
     *,
-    n_microbatches: int,
-    schedule: str = "1f1b",
-    p2p: float = 0.0,
     memory: Sequence[float] | None = None,
     capacity: float | Sequence[float] | None = None,
 ) -> tuple[float, list[int]] | None:
-    """The optimal split over ``n_stages`` and its predicted step time, or ``None`` when it does not fit in memory."""
-    costs = [f + b for f, b in zip(fwd, bwd, strict=True)]
-    try:
-        split = partition(costs, n_stages, method="optimal", memory=memory, capacity=capacity)
-    except InfeasibleMemoryError:
-        return None
-    return step_time(*stage_times(fwd, bwd, split), n_microbatches, schedule, p2p), split
+    """The makespan-optimal split over ``n_stages`` and its makespan, or ``None`` when nothing fits in memory."""
+    return makespan_split(model, n_stages, memory=memory, capacity=capacity)
 
 
 def _keep_ranks_on_nodes(

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from dynmo_lightning import balance
-from dynmo_lightning.balance.policy import MIGRATE, REPACK, BalancePolicy, PipelineShape
+from dynmo_lightning.balance.policy import GROW, MIGRATE, REPACK, BalancePolicy, PipelineShape
 from dynmo_lightning.sim.simulator import simulate_layers
 from dynmo_lightning.sim.traces import check_trace
 
@@ -84,6 +84,7 @@ def simulate_run(
     every_n_steps: int = 10,
     bandwidth: float = 10e9,
     repack: bool = False,
+    regrow: bool = False,
     profile_every_n_steps: int = 1,
     warmup_steps: int = 0,
     **settings: Any,
@@ -109,6 +110,8 @@ def simulate_run(
         bandwidth: bytes per time unit a migration moves.
         repack: consolidate onto fewer ranks when :func:`balance.plan_repack` finds a split within the
             ``repack_tolerance`` (released ranks stop counting).
+        regrow: released ranks wait to come back (``PipelineShape.waiting``): the policy grows the pipeline again
+            when the full one is more than ``repack_tolerance`` faster (re-admitted ranks count again).
         profile_every_n_steps: the balancer's profiling interval (which trace steps the policy sees).
         warmup_steps: the balancer's warm-up (no profiles, no checks before it).
         **settings: further settings of :class:`~dynmo_lightning.balance.policy.BalancePolicy` (``min_gain``,
@@ -136,26 +139,40 @@ def simulate_run(
         )
         balancer.start(len(steps[0]["fwd"]))
     run = _Recorder(steps[0]["step"], _initial(steps[0], policy, n_stages))
+    simulated: dict[tuple[Any, ...], float] = {}  # traces hold long runs of equal costs: simulate each split once
     for k, entry in enumerate(steps):
         if balancer is not None:
-            _balance(balancer, k, entry, run, n_microbatches, schedule)
-        step_time = simulate_layers(entry["fwd"], entry["bwd"], run.current, n_microbatches, schedule, p2p).step_time
+            _balance(balancer, k, entry, run, n_microbatches, schedule, n_stages if regrow else 0)
+        key = (*run.current, *entry["fwd"], *entry["bwd"], *entry.get("wgt", ()))
+        if key not in simulated:
+            simulated[key] = simulate_layers(
+                entry["fwd"], entry["bwd"], run.current, n_microbatches, schedule, p2p, layer_wgt=entry.get("wgt")
+            ).step_time
+        step_time = simulated[key]
         loads = balance.stage_loads([f + b for f, b in zip(entry["fwd"], entry["bwd"], strict=True)], run.current)
         run.step(entry["step"], step_time, balance.imbalance(loads))
     return run.result(policy if not repack else f"{policy}+repack")
 
 
 def _balance(
-    balancer: BalancePolicy, k: int, entry: Mapping[str, Any], run: _Recorder, n_microbatches: int, schedule: str
+    balancer: BalancePolicy,
+    k: int,
+    entry: Mapping[str, Any],
+    run: _Recorder,
+    n_microbatches: int,
+    schedule: str,
+    full_stages: int = 0,
 ) -> None:
     """What the balancer does around step ``k``: check (and replay its decisions) before it, profile it.
 
-    A trace step's ``changed_layers`` (layers a dynamic changed just before it) are the balancer's events.
+    A trace step's ``changed_layers`` (layers a dynamic changed just before it) are the balancer's events. With
+    ``full_stages``, the ranks released below it wait to be re-admitted.
     """
     if balancer.due(k):
-        pipe = PipelineShape(run.current, len(run.current), n_microbatches, schedule)
+        waiting = max(0, full_stages - len(run.current))
+        pipe = PipelineShape(run.current, len(run.current), n_microbatches, schedule, waiting=waiting)
         for decision in balancer.decide(pipe):
-            if decision.action in (MIGRATE, REPACK):
+            if decision.action in (MIGRATE, REPACK, GROW):
                 run.migrate(entry["step"], decision.proposed, decision.bytes_moved, decision.migration_s)
     if entry.get("changed_layers"):
         balancer.layers_changed(entry["changed_layers"])
@@ -180,7 +197,7 @@ class _Recorder:
         self._pending = 0.0  # migration time charged to the next step
 
     def migrate(self, step: int, layers_per_stage: list[int], moved: float, seconds: float) -> None:
-        """A move to ``layers_per_stage`` before ``step`` (fewer stages: a consolidation released ranks)."""
+        """A move to ``layers_per_stage`` before ``step`` (fewer stages: a consolidation, more: a grow)."""
         self.partitions.append((step, list(layers_per_stage)))
         self.bytes_moved += moved
         self._pending += seconds

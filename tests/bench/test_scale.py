@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from support.bench_data import frozen_prefix_trace
 
@@ -34,3 +37,14 @@ def test_seed_reached_names_the_first_strength_or_the_best():
     sweep = [{"strength": 0.5, "oracle_speedup": 1.2}, {"strength": 0.8, "oracle_speedup": 2.5}]
     assert seed_reached(sweep, 2.0) == {"reached": True, "strength": 0.8, "oracle_speedup": 2.5}
     assert seed_reached(sweep, 3.0) == {"reached": False, "strength": 0.8, "oracle_speedup": 2.5}
+
+
+def test_committed_scale_table_keeps_consolidations_promise():
+    # Issue 28: `optimal+repack` keeps at least 95 % of `optimal`'s speed-up at every dynamic and P, and its
+    # rank-seconds never exceed those of `optimal` by more than the migrations' share.
+    sim = json.loads((Path(__file__).resolve().parents[2] / "docs" / "bench" / "simulated.json").read_text())
+    for dynamic, entry in sim["dynamics"].items():
+        for p, cmp in entry["by_stages"].items():
+            repack, optimal = cmp["policies"]["optimal+repack"], cmp["policies"]["optimal"]
+            assert repack["speedup"] >= 0.95 * optimal["speedup"], (dynamic, p)
+            assert repack["rank_seconds"] <= 1.01 * optimal["rank_seconds"], (dynamic, p)

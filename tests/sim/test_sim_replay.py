@@ -46,26 +46,30 @@ def test_optimal_beats_static_splits_when_layers_freeze():
     # static_time plans once, at the first check (step 10, before the freeze): it finds no better split than uniform.
     assert optimal.total_time < results["static_time"].total_time <= results["uniform"].total_time
     assert optimal.speedup_over(results["uniform"]) == results["uniform"].total_time / optimal.total_time > 1.05
-    # The check at step 50 sees step 49 (before the freeze): the move comes at the next check, step 60.
-    assert optimal.partitions == [(0, [4, 4, 4, 4]), (60, [8, 3, 3, 2])]
-    assert optimal.step_times[:60] == results["uniform"].step_times[:60]
+    # At 8 micro-batches the makespan model puts the heavy head's extra work on the first stage, where the others'
+    # fill hides it: [5, 4, 4, 3] runs 5.4 % faster than [4, 4, 4, 4] with the same bottleneck (moved at step 10).
+    # The check at step 50 sees step 49 (before the freeze): the next move comes at the next check, step 60.
+    assert optimal.partitions == [(0, [4, 4, 4, 4]), (10, [5, 4, 4, 3]), (60, [8, 3, 3, 2])]
+    assert optimal.step_times[:10] == results["uniform"].step_times[:10]
     assert max(optimal.imbalance[60:]) < 1.05 < min(results["uniform"].imbalance[50:])
-    # Diffusion ends on the same optimal split.
-    assert results["diffusion"].partitions == optimal.partitions
-    assert results["diffusion"].total_time == pytest.approx(optimal.total_time)
+    # Diffusion (the bottleneck-optimal protocol) sees no better split before the freeze and ends on the same split.
+    assert results["diffusion"].partitions == [(0, [4, 4, 4, 4]), (60, [8, 3, 3, 2])]
+    assert optimal.total_time < results["diffusion"].total_time
 
 
 def test_migration_is_charged_by_bytes_over_bandwidth():
     optimal = run(freezing_trace(), "optimal")
-    # [4,4,4,4] -> [8,3,3,2] moves layers 4-7, 8-10 and 12-13: 9 layers of 1e8 bytes at 10 GB/s.
+    # [4,4,4,4] -> [5,4,4,3] moves layers 4, 8 and 12; -> [8,3,3,2] then layers 5-7, 9-10 and 13: 9 layers of 1e8
+    # bytes at 10 GB/s.
     assert optimal.bytes_moved == 9 * LAYER_BYTES
-    assert optimal.migration_times[60] == pytest.approx(0.09)
+    assert optimal.migration_times[10] == pytest.approx(0.03)
+    assert optimal.migration_times[60] == pytest.approx(0.06)
     assert sum(optimal.migration_times) == pytest.approx(0.09)
     assert optimal.total_time == pytest.approx(sum(optimal.step_times) + 0.09)
     assert optimal.rank_seconds == pytest.approx(4 * optimal.total_time)
-    assert optimal.n_migrations == 1
+    assert optimal.n_migrations == 2
     slower = run(freezing_trace(), "optimal", bandwidth=5e9, migration_overhead=0.5)
-    assert slower.migration_times[60] == pytest.approx(0.18 + 0.5)
+    assert slower.migration_times[60] == pytest.approx(0.12 + 0.5)
     # A migration that cannot pay for itself before the next check is skipped (balance.should_repartition).
     assert run(freezing_trace(), "optimal", bandwidth=1e6).n_migrations == 0
 
