@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from brute import blocks, compositions
+from support.brute import blocks, compositions
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
