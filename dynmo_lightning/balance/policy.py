@@ -71,7 +71,7 @@ class PipelineShape:
 
     Attributes:
         layers_per_stage: the split in force.
-        n_ranks: processes of the pipeline (stage ``s`` runs on rank ``s % n_ranks``).
+        n_ranks: processes of the pipeline (stages placed by :func:`~dynmo_lightning.balance.placement.stage_ranks`).
         n_microbatches: micro-batches per step.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
         param_counts: parameters of each layer (for ``method="params"``).
@@ -385,7 +385,7 @@ class BalancePolicy:
         if planned is None:
             v = self.tracker.values
             before, after = (stage_times(v["fwd"], v["bwd"], split) for split in (current, proposed))
-            moved = bytes_moved(current, proposed, self.layer_bytes(), pipe.n_ranks)
+            moved = bytes_moved(current, proposed, self.layer_bytes(), pipe.n_ranks, pipe.schedule)
         else:  # sums over (compute, memory, fwd, bwd, bytes), see diffusion_stage
             before = ([o.old[2] for o in planned], [o.old[3] for o in planned])
             after = ([o.new[2] for o in planned], [o.new[3] for o in planned])

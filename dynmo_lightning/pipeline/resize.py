@@ -33,6 +33,7 @@ class ResizeMixin:
     _batch_size: int | None
     partitions: list[dict[str, Any]]
     num_nodes: int
+    schedule: str
     _mesh: Mesh | None
 
     @property
@@ -94,7 +95,8 @@ class ResizeMixin:
         self.cluster_environment, view, event = self.elastic.survive(
             layout.order, stores, ports, trainer.global_step, on_release, **world
         )
-        self._adopt_world(view, layout.renumbered(), stores, ports, StagePlan(tuple(lps), len(keep_ranks)))
+        kept = StagePlan(tuple(lps), len(keep_ranks), self.schedule)
+        self._adopt_world(view, layout.renumbered(), stores, ports, kept)
         self.partitions.append({"step": trainer.global_step, "layers_per_stage": lps})
         if release_to is not None and event.released_ranks:
             env = release.notify(release_to, event) if self.is_global_zero else {}
@@ -132,10 +134,11 @@ class ResizeMixin:
         self.cluster_environment, view = self.elastic.join(plan, stores, **self._world_args())
         if state is not None:
             elastic.restore_trainer_state(self.lightning_module.trainer, state)
-        padded = StagePlan(tuple(plan["padded"]), view.world_size)
+        padded = StagePlan(tuple(plan["padded"]), view.world_size, self.schedule)
         self._adopt_world(view, ReplicaLayout.even(view.world_size, 1), stores, plan["ports"], padded)
         with self._phase(f"growth onto {view.world_size} ranks (layer migration)"):
-            stats = self._stages.migrate(StagePlan(tuple(plan["plan"]), view.world_size), self.optimizers)
+            grown = StagePlan(tuple(plan["plan"]), view.world_size, self.schedule)
+            stats = self._stages.migrate(grown, self.optimizers)
         self.partitions.append({"step": plan["step"], "layers_per_stage": plan["plan"]})
         return stats
 
