@@ -263,6 +263,8 @@ class PipelineRuntime:
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.has_last_stage else {}
         if train:
             output = schedule.step(*args, return_outputs=False, **kwargs)
+            if not schedule.scale_grads:
+                _divide_grads(self._built[train][1], self.n_microbatches)
         else:
             output = schedule.eval(*args, **kwargs)
         if not self.has_last_stage:
@@ -297,7 +299,11 @@ class PipelineRuntime:
             self._wrapped_for = self._wrap_key()
         cls = SCHEDULES[self.schedule_name]
         if issubclass(cls, PipelineScheduleMulti):
-            schedule = cls(stages, self.n_microbatches, loss_fn=self.loss_fn, scale_grads=True)
+            # torch divides each stage's gradients by the micro-batches when that stage's backwards are done: a
+            # parameter two local stages share (a tie of the first and last stage under the V) would be divided
+            # twice, once between the two stages' contributions. Such gradients are divided once, in `step`.
+            scale = not _shares_parameters(stages)
+            schedule = cls(stages, self.n_microbatches, loss_fn=self.loss_fn, scale_grads=scale)
             if not train and self.schedule_name in V_SCHEDULES:
                 _forward_only(schedule)
         else:
@@ -382,6 +388,22 @@ class PipelineRuntime:
     def _global(self, stage: int) -> int:
         """Global rank of the process running ``stage`` (p2p calls address global ranks)."""
         return self.pipe.global_rank(self.plan.rank_of_stage(stage))
+
+
+def _unique_parameters(stages: Sequence[PipelineStage]) -> dict[int, nn.Parameter]:
+    return {id(p): p for stage in stages for p in stage.submod.parameters()}
+
+
+def _shares_parameters(stages: Sequence[PipelineStage]) -> bool:
+    """Whether two of the local stages hold the same parameter (a tie kept as one tensor on this rank)."""
+    return len(_unique_parameters(stages)) < sum(len(list(stage.submod.parameters())) for stage in stages)
+
+
+def _divide_grads(stages: Sequence[PipelineStage], n_microbatches: int) -> None:
+    """Mean over micro-batches of the summed gradients, once per parameter however many stages share it."""
+    for p in _unique_parameters(stages).values():
+        if p.grad is not None:
+            p.grad.div_(n_microbatches)
 
 
 def _forward_only(schedule: Any) -> None:

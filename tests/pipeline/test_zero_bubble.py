@@ -21,6 +21,8 @@ STEPS = ["trainer.max_steps=20", "trainer.val_check_interval=10"]
 RANDOM = ["balancer=optimal", "balancer.method=random", "balancer.every_n_steps=3", "balancer.warmup_steps=0"]
 TRACE = ["profile.trace=true", "profile.every_n_steps=3"]
 TIED = ["model.tie_embeddings=true"]
+# blocks 1 and 2 declared tied as well: under interleaved 1F1B they share rank 0 whenever they sit in stages 0 and 2
+BLOCK_TIE = [*TIED, "model._target_=tied_blocks.TiedBlocksGPT"]
 EPOCH = [
     "trainer.limit_train_batches=10",
     "trainer.val_check_interval=null",
@@ -39,6 +41,7 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("zb")
     cases = {d / name: [*STEPS, *_schedule(name), *RANDOM, *TRACE] for name in SCHEDULES}
     cases[d / "zbv-tied"] = [*STEPS, *TIED, *_schedule("zbv"), *RANDOM]
+    cases[d / "interleaved-blocks"] = [*STEPS, *BLOCK_TIE, *_schedule("interleaved_1f1b"), *RANDOM]
     cases[d / "zbv-first"] = ["trainer.max_steps=10", *EPOCH, *_schedule("zbv"), *RANDOM]
     cases[d / "1f1b"] = [*STEPS, *RANDOM, *TRACE]  # the profiler does not split a full backward
     out = launch(2, cases)
@@ -48,6 +51,7 @@ def runs(tmp_path_factory):
         {
             d / "p1": STEPS,
             d / "p1-tied": [*STEPS, *TIED],
+            d / "p1-blocks": [*STEPS, *BLOCK_TIE],
             d / "p1-full": ["trainer.max_steps=12", *EPOCH],
             d / "resume1": ["trainer.max_steps=12", *EPOCH, ckpt],
         },
@@ -70,8 +74,10 @@ def test_zero_bubble_with_moving_layers_equals_one_process(runs, name):
     assert got["losses"][-1] < got["losses"][0] - 0.3  # it learns
 
 
-def test_tied_embeddings_on_one_rank_under_the_v(runs):
-    ref, run = runs["p1-tied"], runs["zbv-tied"]
+@pytest.mark.parametrize(("name", "ref"), [("zbv-tied", "p1-tied"), ("interleaved-blocks", "p1-blocks")])
+def test_ties_within_one_rank_across_its_stages(runs, name, ref):
+    # One tensor in two local stages: its gradient is divided by the micro-batches once, not once per stage.
+    ref, run = runs[ref], runs[name]
     assert len({tuple(p["layers_per_stage"]) for p in run.summary["partitions"]}) >= 3
     assert_close_losses(run.summary["losses"], ref.summary["losses"])
     assert_close_model(run.checkpoint["state_dict"], ref.checkpoint["state_dict"])
