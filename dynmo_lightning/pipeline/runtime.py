@@ -281,7 +281,7 @@ class PipelineRuntime:
                 self._metas[train] = self._probe(inputs, train)
             metas = self._metas[train]
             stages = [
-                _ProfiledStage(
+                _Stage(
                     self.profiler,
                     self._wrap(module) if train else module,
                     stage,
@@ -422,8 +422,13 @@ def _forward_only(schedule: Any) -> None:
     schedule.pipeline_order_with_comms = _add_send_recv(order, lambda s: ranks[s], schedule._num_stages)
 
 
-class _ProfiledStage(PipelineStage):
-    """A ``PipelineStage`` that opens the profiler's weight pass around its weight gradients (zero-bubble schedules).
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose split backward is exact on any stage and whose weight pass the profiler times.
+
+    torch's input pass (``stage_backward_input``) finds the weights' part of the graph from the stage inputs'
+    gradients; a later stage whose inputs carry none (the output of a frozen prefix) would get no weight gradients
+    at all. torch runs its first stage's backward whole in the weight pass for that reason; here such a stage runs it
+    whole at once (same gradients, no bubble filled) and its weight pass is empty.
 
     Args:
         profiler: the runtime's profiler.
@@ -434,9 +439,24 @@ class _ProfiledStage(PipelineStage):
     def __init__(self, profiler: LayerProfiler, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._profiler = profiler
+        self._done_whole: set[int] = set()
+
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> None:
+        """Backward of micro-batch ``bwd_chunk_id``: its input part only, unless the inputs carry no gradient."""
+        if not full_backward and not self.is_first and bwd_chunk_id in self.fwd_cache:
+            inputs = self.fwd_cache[bwd_chunk_id][1]
+            if not any(isinstance(t, Tensor) and t.requires_grad for t in inputs):
+                full_backward = True
+                self._done_whole.add(bwd_chunk_id)
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         """The weight part of a split backward of micro-batch ``bwd_chunk_id``, timed when profiling."""
+        if bwd_chunk_id in self._done_whole:
+            self._done_whole.discard(bwd_chunk_id)
+            return
         with self._profiler.weight_pass():
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from _helpers import assert_close_losses, assert_close_model, assert_close_params, launch
+from _helpers import FREEZE, assert_close_losses, assert_close_model, assert_close_params, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -30,6 +30,10 @@ EPOCH = [
     "checkpoint.every_n_train_steps=10",
 ]
 SCHEDULES = ["zbv", "interleaved_zb", "dualpipev"]
+EXIT = ["dynamics=early_exit", "dynamics.warmup_steps=3", "dynamics.ramp_steps=3", "dynamics.threshold=0.6"]
+#: Dynamics that change which tensors carry gradients: a frozen prefix (a stage's inputs then carry none, and
+#: torch's input pass alone would leave its trainable layers without weight gradients) and early exit.
+DYNAMICS = {"freeze": FREEZE, "exit": EXIT}
 
 
 def _schedule(name: str) -> list[str]:
@@ -44,6 +48,9 @@ def runs(tmp_path_factory):
     cases[d / "interleaved-blocks"] = [*STEPS, *BLOCK_TIE, *_schedule("interleaved_1f1b"), *RANDOM]
     cases[d / "zbv-first"] = ["trainer.max_steps=10", *EPOCH, *_schedule("zbv"), *RANDOM]
     cases[d / "1f1b"] = [*STEPS, *RANDOM, *TRACE]  # the profiler does not split a full backward
+    for dynamic, overrides in DYNAMICS.items():
+        for name in ("zbv", "interleaved_zb"):
+            cases[d / f"{name}-{dynamic}"] = [*STEPS, *overrides, *_schedule(name), *RANDOM]
     out = launch(2, cases)
     ckpt = f"ckpt_path={d / 'zbv-first' / 'checkpoints' / 'last.ckpt'}"
     out |= launch(
@@ -52,6 +59,7 @@ def runs(tmp_path_factory):
             d / "p1": STEPS,
             d / "p1-tied": [*STEPS, *TIED],
             d / "p1-blocks": [*STEPS, *BLOCK_TIE],
+            **{d / f"p1-{dynamic}": [*STEPS, *overrides] for dynamic, overrides in DYNAMICS.items()},
             d / "p1-full": ["trainer.max_steps=12", *EPOCH],
             d / "resume1": ["trainer.max_steps=12", *EPOCH, ckpt],
         },
@@ -72,6 +80,15 @@ def test_zero_bubble_with_moving_layers_equals_one_process(runs, name):
     assert got["param_norm"] == pytest.approx(ref.summary["param_norm"], rel=1e-6)
     assert got["val_loss"] == pytest.approx(ref.summary["val_loss"], rel=1e-5)  # evaluation under the schedule
     assert got["losses"][-1] < got["losses"][0] - 0.3  # it learns
+
+
+@pytest.mark.parametrize("dynamic", list(DYNAMICS))
+@pytest.mark.parametrize("name", ["zbv", "interleaved_zb"])
+def test_zero_bubble_with_dynamics_equals_one_process(runs, name, dynamic):
+    ref, run = runs[f"p1-{dynamic}"], runs[f"{name}-{dynamic}"]
+    assert len({tuple(p["layers_per_stage"]) for p in run.summary["partitions"]}) >= 3
+    assert_close_losses(run.summary["losses"], ref.summary["losses"])
+    assert_close_params(run.checkpoint["state_dict"], ref.checkpoint["state_dict"])
 
 
 @pytest.mark.parametrize(("name", "ref"), [("zbv-tied", "p1-tied"), ("interleaved-blocks", "p1-blocks")])
