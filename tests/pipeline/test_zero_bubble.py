@@ -49,7 +49,7 @@ def runs(tmp_path_factory):
     cases[d / "zbv-first"] = ["trainer.max_steps=10", *EPOCH, *_schedule("zbv"), *RANDOM]
     cases[d / "1f1b"] = [*STEPS, *RANDOM, *TRACE]  # the profiler does not split a full backward
     for dynamic, overrides in DYNAMICS.items():
-        for name in ("zbv", "interleaved_zb"):
+        for name in SCHEDULES:
             cases[d / f"{name}-{dynamic}"] = [*STEPS, *overrides, *_schedule(name), *RANDOM]
     out = launch(2, cases)
     ckpt = f"ckpt_path={d / 'zbv-first' / 'checkpoints' / 'last.ckpt'}"
@@ -83,7 +83,7 @@ def test_zero_bubble_with_moving_layers_equals_one_process(runs, name):
 
 
 @pytest.mark.parametrize("dynamic", list(DYNAMICS))
-@pytest.mark.parametrize("name", ["zbv", "interleaved_zb"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_zero_bubble_with_dynamics_equals_one_process(runs, name, dynamic):
     ref, run = runs[f"p1-{dynamic}"], runs[f"{name}-{dynamic}"]
     assert len({tuple(p["layers_per_stage"]) for p in run.summary["partitions"]}) >= 3
