@@ -12,7 +12,8 @@ When a step is profiled, each stage runs its layers through :meth:`LayerProfiler
   where the boundary hooks fire, so the gaps above time each layer's input part) and a later weight pass
   (``stage_backward_weight``: gradients of the parameters, set as ``.grad`` without an accumulation). The runtime's
   stage opens :meth:`LayerProfiler.weight_pass` around it; a gradient hook on every parameter stamps the moment
-  that parameter's gradient is done, and the gap since the previous stamp counts for its layer. A layer's
+  that parameter's gradient is done, and the gap since the previous stamp counts for its layer (the boundary
+  hooks, which the weight pass fires again on its way through the activations, are ignored there). A layer's
   ``bwd_input`` and ``bwd_weight`` are the two parts, ``bwd`` their sum; under a schedule that does not split,
   the whole backward is ``bwd_input``;
 * activation memory: bytes of the tensors autograd saves for backward inside each layer (``saved_tensors_hooks``),
@@ -179,7 +180,12 @@ class LayerProfiler:
         for t in as_tuple(x):
             if isinstance(t, Tensor) and t.requires_grad:
                 # Removed in `stop`: stage input buffers persist across steps.
-                self._hooks.append(t.register_hook(lambda _g, key=key: self._stamp("boundary", key)))
+                self._hooks.append(t.register_hook(lambda _g, key=key: self._stamp_boundary(key)))
+
+    def _stamp_boundary(self, key: tuple[int, int]) -> None:
+        # A weight pass runs through the activations' graph again: its arrivals are not the input pass's.
+        if not self._in_weight_pass:
+            self._stamp("boundary", key)
 
     def _stamp(self, kind: str, key: Any) -> None:
         self._events.append((kind, key, self._clock.now()))
