@@ -1,10 +1,9 @@
 """DynMoStrategy: pipeline-parallel training of a pipeline-ready LightningModule across processes.
 
-The Lightning face: the strategy's hooks and the orchestration of re-partitioning and shrinking the world. Every
-other job has its room under :mod:`dynmo_lightning.pipeline` (see its package docstring): the stages this process
-runs (``stages``: split, schedule runtime, ties, migration), the job's layout (``layout``), reductions over stages
-and replicas (``reduce``), the world's restart and release (``groups``), the launcher's checks (``launcher``), the
-precision and checkpoint plugins (``precision``, ``checkpoint``) and the watchdog's named phases (``watchdog``).
+The Lightning face: the strategy's hooks and the orchestration of re-partitioning. Every other job is a collaborator
+in its room under :mod:`dynmo_lightning.pipeline`: the stages this process runs (``stages``), the job's layout
+(``layout``), reductions (``reduce``), the worlds it runs in with their shrinks and grows (``resize``), the
+launcher's checks, the precision and checkpoint plugins, what evaluation logs (``evaluation``).
 
 Lightning's closure calls ``training_step``, zeroes the gradients, then calls ``strategy.backward``; a schedule runs
 forward *and* backward of all micro-batches at once, so ``training_step`` runs it and parks the gradients and
@@ -13,7 +12,6 @@ forward *and* backward of all micro-batches at once, so ``training_step`` runs i
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -41,24 +39,22 @@ from typing_extensions import override
 from dynmo_lightning import balance
 from dynmo_lightning.balance.diffusion import DiffusionStage
 from dynmo_lightning.pipeline import checkpoint as ckpt
-from dynmo_lightning.pipeline import groups, launcher, sharded
-from dynmo_lightning.pipeline.elastic import ElasticWorld
+from dynmo_lightning.pipeline import groups, launcher, release, sharded
 from dynmo_lightning.pipeline.evaluation import PipelineEvaluation
 from dynmo_lightning.pipeline.layout import Mesh, PipelineGroup, ReplicaLayout, check_batch, make_mesh, shard_dataloader
 from dynmo_lightning.pipeline.migration import MigrationStats
 from dynmo_lightning.pipeline.neighbours import NeighbourStats, run_stage
 from dynmo_lightning.pipeline.precision import PipelinePrecision
 from dynmo_lightning.pipeline.reduce import GlobalNormClipping, replicas_in_sync
-from dynmo_lightning.pipeline.resize import ResizeMixin
+from dynmo_lightning.pipeline.resize import ResizeInternals, Resizer
 from dynmo_lightning.pipeline.runtime import ScheduleName, StagePlan, first_dim
 from dynmo_lightning.pipeline.stages import LocalStages
-from dynmo_lightning.pipeline.watchdog import Watchdog
 from dynmo_lightning.profiling import DeviceClock
 from dynmo_lightning.protocol import split_batch
 from dynmo_lightning.recompute import Policy, checkpoint_policy
 
 
-class DynMoStrategy(ResizeMixin, ParallelStrategy):
+class DynMoStrategy(ParallelStrategy):
     """Pipeline parallelism for pipeline-ready LightningModules (see :mod:`dynmo_lightning.protocol`).
 
     Each process holds one pipeline stage (or ``stages_per_rank`` interleaved stages): a contiguous run of the
@@ -126,9 +122,8 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         if checkpoint_format not in sharded.FORMATS:
             raise ValueError(f"checkpoint.format={checkpoint_format!r} is not one of {list(sharded.FORMATS)}")
         self.checkpoint_format = checkpoint_format
-        self._process_group_backend = process_group_backend
+        self.process_group_backend = process_group_backend  # resolved per device at start-up
         self.num_nodes = 1  # set by the Trainer
-        self._watchdog: Watchdog | None = None
         self._layout: ReplicaLayout | None = None
         self._mesh: Mesh | None = None
         self._stages: LocalStages | None = None
@@ -142,8 +137,10 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         self._schedule_span: tuple[DeviceClock, Any, Any] | None = None  # the last training step's schedule
         #: ``[{"step", "layers_per_stage"}]``: the initial partition and every change.
         self.partitions: list[dict[str, Any]] = []
-        #: The job's processes across shrinks and grows: their nodes, stable ids, who waits to come back.
-        self.elastic = ElasticWorld()
+        # The worlds it runs in, shrinks, grows (pipeline/resize.py): all they read or set here is in these arguments.
+        self._resizer = Resizer(self, lambda: ResizeInternals(self._stages, self._layout, self._mesh, self._batch_size),
+                                self._use_layout, self._timeout)  # fmt: skip
+        self._phase = self._resizer.heartbeats.phase  # names what the job does (a lost peer's error names it)
         self._device: torch.device | None = None  # pinned at start-up: a shrink renumbers local ranks, not devices
 
     # --- processes, devices and plugins ------------------------------------------------------------------------------
@@ -253,8 +250,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
 
     def _use_layout(self, layout: ReplicaLayout) -> None:
         """Adopt ``layout`` in the current world (collective; refuses a backend that cannot move this device's data)."""
-        self._layout = layout
-        self._mesh = make_mesh(layout, self.global_rank, self._timeout, self.root_device)
+        self._layout, self._mesh = layout, make_mesh(layout, self.global_rank, self._timeout, self.root_device)
 
     # --- start-up ----------------------------------------------------------------------------------------------------
     @override
@@ -268,32 +264,12 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         assert self.cluster_environment is not None
         launcher.check_world(self.world_size, self.data_parallel_size)
         device = self.root_device
-        backend = self._process_group_backend or fabric_dist._get_default_process_group_backend_for_device(device)
-        self._process_group_backend = backend
+        backend = self.process_group_backend or fabric_dist._get_default_process_group_backend_for_device(device)
+        self.process_group_backend = backend
         kwargs = {"device_id": device} if device.type != "cpu" else {}
         fabric_dist._init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **kwargs)
         self._device = device
-        self._use_layout(ReplicaLayout.even(self.world_size, self.data_parallel_size))
-        self.elastic.start(self.node_rank)
-        self._start_watchdog(*groups.host_stores(1, self.cluster_environment.main_address, self._timeout))
-
-    def _start_watchdog(self, stores: list[dist.TCPStore | None], ports: list[int]) -> None:
-        assert self.cluster_environment is not None
-        address, interval = self.cluster_environment.main_address, min(2.0, self.heartbeat_timeout / 5)
-        kwargs = {"interval": interval, "stale_after": self.heartbeat_timeout, "store": stores[-1]}
-        self._watchdog = Watchdog(address, ports[-1], rank=self.global_rank, world_size=self.world_size, **kwargs)
-
-    def _stop_watchdog(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog, watchdog = None, self._watchdog
-            watchdog.stop()
-
-    def _phase(self, name: str) -> contextlib.AbstractContextManager:
-        """Name what the job does (for failure messages; a lost peer's error then names it and the phase)."""
-        if self._watchdog is None:
-            return contextlib.nullcontext()
-        module = self.lightning_module
-        return self._watchdog.phase(name, lambda: module.trainer.global_step if module is not None else -1)
+        self._resizer.start(self.node_rank)
 
     def set_world_ranks(self) -> None:
         """Derive global rank and world size from node rank, local rank and processes per node."""
@@ -481,7 +457,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         """The layers reported changed while ``step`` optimizer steps were done (the balancer reacts to them)."""
         return self._stages.changed_layers(step) if self._stages is not None else []
 
-    # --- rebalancing: move layers, shrink the world ------------------------------------------------------------------
+    # --- rebalancing: move layers, shrink and grow the world (pipeline/resize.py) ------------------------------------
     def repartition(self, layers_per_stage: list[int]) -> MigrationStats:
         """Move layers (with all their state) so that the pipeline runs ``layers_per_stage``; the math never changes.
 
@@ -501,6 +477,30 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
         """Drive this process's stage ``stage_of(pp_rank)`` of the diffusion protocol, point-to-point to neighbours."""
         with self._phase("diffusion balancing between pipeline neighbours"):
             return run_stage(stage_of(self.pp_rank), self._pipe)
+
+    @property
+    def pipeline_nodes(self) -> list[Any] | None:
+        """The node of every pipeline rank (with replicas: the tuple of their nodes), for a repack that frees nodes."""
+        return self._resizer.elastic.pipeline_nodes(self._layout) if self._layout else None
+
+    @property
+    def waiting(self) -> int:
+        """Released processes waiting to be re-admitted by :meth:`grow` (one pipeline, one stage per rank only)."""
+        return self._resizer.waiting
+
+    @property
+    def releases(self) -> list[dict[str, Any]]:
+        """Every release by a shrink (ranks, hosts, whole nodes freed)."""
+        return self._resizer.elastic.releases
+
+    def shrink(self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit",
+               release_to: release.ReleaseHandler | None = None) -> MigrationStats:  # fmt: skip
+        """Consolidate onto pipeline ranks ``keep_ranks``, release the others (collective; :meth:`Resizer.shrink`)."""
+        return self._resizer.shrink(keep_ranks, layers_per_stage, on_release=on_release, release_to=release_to)
+
+    def grow(self, layers_per_stage: list[int]) -> MigrationStats:
+        """Re-admit waiting processes as new stages of ``layers_per_stage`` (collective; :meth:`Resizer.grow`)."""
+        return self._resizer.grow(layers_per_stage)
 
     # --- collectives (over the whole job, as Lightning expects) ------------------------------------------------------
     @override
@@ -582,8 +582,7 @@ class DynMoStrategy(ResizeMixin, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._stop_watchdog()
-        self.elastic.end()  # processes released with on_release="wait" may exit now
+        self._resizer.end()  # heartbeats stop; processes released with on_release="wait" may exit now
         module = self._lightning_module
         if module is not None and any(p.is_meta for p in module.parameters()):
             self._lightning_module = None  # set-up failed before the split: moving meta tensors would mask the error

@@ -110,6 +110,12 @@ def test_strategy_is_the_lightning_face_only():
     assert lines <= 600, f"strategy.py has {lines} lines: hand a job to a room under pipeline/"
 
 
+def test_no_planning_room_over_600_lines():
+    # diffusion.py held both of its modes' phases in 770 lines; each mode now has its own room.
+    long = {p.name: n for p in (PACKAGE / "balance").glob("*.py") if (n := p.read_text().count("\n")) > 600}
+    assert not long, f"balance/ modules over 600 lines (split them into rooms): {long}"
+
+
 def test_no_function_longer_than_80_lines():
     long = []
     for path in PACKAGE.rglob("*.py"):
@@ -120,3 +126,103 @@ def test_no_function_longer_than_80_lines():
                 if length > 80:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({length})")
     assert not long, long
+
+
+def _strategy_private_names() -> set[str]:
+    """``DynMoStrategy``'s private attributes and methods: assigned as ``self._x`` or defined as ``def _x`` in it."""
+    tree = ast.parse((PACKAGE / "strategy.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DynMoStrategy"]
+    names = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _own_private_names(cls: ast.ClassDef) -> set[str]:
+    """What a class defines privately itself: ``def _x``, ``self._x = ...``, class-level ``_x = ...``."""
+    names = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)
+    for stmt in cls.body:  # fields (dataclasses) and class attributes with a value; a bare annotation declares none
+        if isinstance(stmt, ast.AnnAssign) and stmt.value is not None and isinstance(stmt.target, ast.Name):
+            names.add(stmt.target.id)
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and _is_dataclass(cls):
+            names.add(stmt.target.id)
+        elif isinstance(stmt, ast.Assign):
+            names |= {t.id for t in stmt.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _is_dataclass(cls: ast.ClassDef) -> bool:
+    return any("dataclass" in ast.unparse(d) for d in cls.decorator_list)
+
+
+def _private_reads(tree: ast.Module, private: set[str]) -> list[tuple[int, str]]:
+    """Every ``<expr>._name`` (or ``getattr(<expr>, "_name")``) with ``_name`` one of ``private``, except a class's
+    ``self._name`` where that class defines ``_name`` itself (its own state, which may share a name)."""
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST, own: set[str]) -> None:
+        if isinstance(node, ast.ClassDef):
+            own = _own_private_names(node)
+        if isinstance(node, ast.Attribute) and node.attr in private:
+            mine = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls") and node.attr in own
+            if not mine:
+                found.append((node.lineno, ast.unparse(node)))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2:
+                name = node.args[1]
+                if isinstance(name, ast.Constant) and name.value in private:
+                    target = node.args[0]
+                    if not (isinstance(target, ast.Name) and target.id == "self" and name.value in own):
+                        found.append((node.lineno, ast.unparse(node)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, own)
+
+    visit(tree, set())
+    return found
+
+
+def test_no_module_outside_the_strategy_reads_its_private_attributes():
+    # Collaborators (the resize room, the launcher, callbacks, examples) get a typed view of the strategy: its public
+    # members (PipelineControl, ResizeHost) and what it hands them; its private state stays in strategy.py.
+    private = _strategy_private_names()
+    assert {"_stages", "_layout", "_mesh", "_phase", "_use_layout"} <= private  # the collection itself works
+    examples = PACKAGE.parent / "examples"
+    reads = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *examples.rglob("*.py")]):
+        if path == PACKAGE / "strategy.py":
+            continue
+        for line, text in _private_reads(ast.parse(path.read_text()), private):
+            reads.append(f"{path.relative_to(PACKAGE.parent)}:{line} {text}")
+    assert not reads, reads
+
+
+def test_the_private_attribute_check_tells_a_class_own_state_from_the_strategys():
+    private = {"_stages", "_pipe", "_timeout"}
+    source = """
+class Room:
+    def __init__(self, pipe, strategy):
+        self._pipe = pipe
+        self._strategy = strategy
+
+    def run(self):
+        return self._pipe, self._strategy._stages, getattr(self._strategy, "_timeout")
+
+
+class Mixin:
+    _timeout: float
+
+    def shrink(self):
+        return self._timeout
+"""
+    reads = [text for _, text in _private_reads(ast.parse(source), private)]
+    assert reads == ["self._strategy._stages", "getattr(self._strategy, '_timeout')", "self._timeout"]

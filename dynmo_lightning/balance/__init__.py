@@ -13,11 +13,14 @@ the number of layers, stage ``i`` holding the next contiguous block. Stages and 
   exactly), ``"static_time"`` (optimal split of times profiled once, the torchgpipe baseline) and ``"diffusion"``
   (decentralised neighbour-only protocol from the uniform split; it ends on an optimal split).
 * :func:`diffuse` - the diffusion protocol from any starting split, all stages simulated in one process, in mode
-  ``"exact"`` (the optimal split) or ``"sweep"`` (:mod:`~dynmo_lightning.balance.sweep`: one prefix scan and
-  equal-share cuts, bottleneck below the optimum plus the largest layer cost, about ``2 P`` rounds);
-  :class:`DiffusionResult` reports the split, rounds used, bottleneck and whether it finished within ``max_rounds``.
-  One stage of it is :class:`~dynmo_lightning.balance.diffusion.DiffusionStage`, the state machine the runtime
-  drives point-to-point (:mod:`dynmo_lightning.pipeline.neighbours`).
+  ``"exact"`` (:mod:`~dynmo_lightning.balance.exact`: a bound search by push and pull settles, ending on the optimal
+  split) or ``"sweep"`` (:mod:`~dynmo_lightning.balance.sweep`: one prefix scan and equal-share cuts, bottleneck
+  below the optimum plus the largest layer cost, about ``2 P`` rounds); :class:`DiffusionResult` reports the split,
+  rounds used, bottleneck and whether it finished within ``max_rounds``. One stage of it is
+  :class:`~dynmo_lightning.balance.diffusion.DiffusionStage` (:mod:`~dynmo_lightning.balance.diffusion`, with the
+  in-memory drivers), the state machine the runtime drives point-to-point (:mod:`dynmo_lightning.pipeline.neighbours`);
+  it dispatches to its mode's object. Both modes share the card and the outcome (:mod:`~dynmo_lightning.balance.cards`)
+  and a stage's own state (:mod:`~dynmo_lightning.balance.stage_state`).
 * :func:`bottleneck`, :func:`stage_loads`, :func:`imbalance`, :func:`bytes_moved`, :func:`validate_partition` -
   measure and check partitions.
 * :class:`InfeasibleMemoryError` (a ``ValueError``) - no split fits the capacities; the message says why.

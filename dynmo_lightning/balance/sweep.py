@@ -1,6 +1,6 @@
 """The one-sweep mode of diffusion balancing: equal-share cuts from prefix sums, within one layer of the optimum.
 
-Where the exact mode (:mod:`~dynmo_lightning.balance.diffusion`) searches the optimal bottleneck with about a dozen
+Where the exact mode (:mod:`~dynmo_lightning.balance.exact`) searches the optimal bottleneck with about a dozen
 probes of ``~3 P`` rounds each, the sweep mode plans in three short phases over the same neighbour cards:
 
 1. *scan*, ``P - 1`` rounds: a forward sweep passes each stage the cost of all layers before it (a prefix sum,
@@ -39,16 +39,30 @@ sums) fall back to the exact mode, which meets the capacity whenever any split d
 
 Rounds: :func:`sweep_rounds` - ``(P - 1) + F`` rounds, plus ``F`` when huge layers moved a cut, where
 ``F = P - 2 + ceil((2 P - 1) / SLOTS)``.
+
+:class:`SweepMode` is this mode as one stage runs it, on the stage's
+:class:`~dynmo_lightning.balance.stage_state.StageState`; the functions before it are the cut's arithmetic, which
+:func:`sweep_split` also computes in one place.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from bisect import bisect_right
+from collections.abc import Generator, Sequence
 from itertools import pairwise
+
+import numpy as np
+
+from dynmo_lightning.balance.cards import Card, Layer, Neighbours, StageOutcome
+from dynmo_lightning.balance.exact import ExactMode
+from dynmo_lightning.balance.stage_state import StageState, fold
 
 #: Pieces a card carries per direction in the flood phase (the card stays a few kB: latency-bound, not bandwidth).
 SLOTS = 16
+
+#: Phases of the sweep mode, as :attr:`~dynmo_lightning.balance.stage_state.StageState.phase` names them.
+SCAN, FLOOD = "scan", "flood"
 
 
 def share(mid: float, total: float, n_stages: int) -> int:
@@ -123,3 +137,127 @@ def sweep_rounds(n_stages: int, *, moved: bool) -> int:
     if n_stages < 2:
         return 0
     return n_stages - 1 + (2 if moved else 1) * flood_rounds(n_stages)
+
+
+class SweepMode:
+    """The sweep mode as one stage runs it: scan, local cut, flood (twice if a cut moved); see the module docstring.
+
+    Where the split breaks the shared memory capacity, every stage sees it in the per-stage sums and goes on in the
+    exact mode (:class:`~dynmo_lightning.balance.exact.ExactMode`) alike.
+
+    Args:
+        state: the stage's state; the mode sets its phase (it moves no layer records while it plans).
+    """
+
+    #: Pieces per card lane in the flood.
+    slots = SLOTS
+
+    def __init__(self, state: StageState) -> None:
+        self.state = state
+
+    def plan(self) -> Generator[Card, Neighbours, list[StageOutcome]]:
+        """Sweep (with two or more stages); return its outcome if it fits the capacity, else plan in exact mode."""
+        s = self.state
+        if s.n_stages > 1:
+            outcome = yield from self._sweep()
+            if all(o.new[1] <= s.capacity for o in outcome):
+                return outcome
+            # The equal-share cut ignores memory: every stage sees the breach in the sums and falls back alike.
+        return (yield from ExactMode(s).plan())
+
+    def _sweep(self) -> Generator[Card, Neighbours, list[StageOutcome]]:
+        """Scan, local cut, flood (twice if a cut moved)."""
+        s = self.state
+        costs, p = [layer[0] for layer in s.layers], s.n_stages
+        offset, total = yield from self._scan(costs)
+        raw, at = [], offset  # runs of its layers with the same equal share: (share, first index, layers)
+        for index, layer in enumerate(s.layers, s.first):
+            h = share(at + layer[0] / 2, total, p)
+            at += layer[0]
+            if raw and raw[-1][0] == h:
+                raw[-1][2].append(layer)
+            else:
+                raw.append((h, index, [layer]))
+        pieces = yield from self._flood([self._piece(start, run, h) for h, start, run in raw])
+        cuts = final_cuts(raw_cuts(pieces, p, s.n_layers), s.n_layers)
+        if _stages_of(pieces, cuts) != [int(piece[3]) for piece in pieces]:
+            # Huge layers moved a cut off its equal share: cut its own layers at the final cuts and flood again.
+            bounds = sorted({s.first, s.end, *(c for c in cuts if s.first < c < s.end)})
+            own = [self._piece(a, s.layers[a - s.first : b - s.first], bisect_right(cuts, a))
+                   for a, b in pairwise(bounds)]  # fmt: skip
+            pieces = yield from self._flood(own)
+        return self._tally(pieces, cuts)
+
+    def _scan(self, costs: list[float]) -> Generator[Card, Neighbours, tuple[float, float]]:
+        """``P - 1`` rounds: prefix sums flow right, suffix sums left; returns ``(C(first), S)``."""
+        s = self.state
+        s.phase = SCAN
+        last = s.n_stages - 1
+        offset, after = (0.0 if s.stage == 0 else None), (0.0 if s.stage == last else None)
+        out_right = ((0.0, fold(costs)),) if offset is not None else ()
+        out_left = ((0.0, fold(costs) + after),) if after is not None else ()
+        for _ in range(last):
+            left, right = yield s.make_card(to_right=out_right, to_left=out_left)
+            if offset is None and left is not None and left.to_right:
+                offset = left.to_right[0][1]
+                out_right = ((0.0, fold(costs, offset)),)
+            if after is None and right is not None and right.to_left:
+                after = right.to_left[0][1]
+                out_left = ((0.0, fold(costs) + after),)
+        assert offset is not None and after is not None, "the scan reaches every stage within P - 1 rounds"
+        return offset, fold(costs, offset) + after
+
+    def _piece(self, start: int, run: Sequence[Layer], new: int) -> tuple[float, ...]:
+        """A run of its layers: ``(start, end, old stage, new stage, *sums)``."""
+        return (float(start), float(start + len(run)), float(self.state.stage), float(new), *self.state.sums(run))
+
+    def _flood(self, mine: list[tuple[float, ...]]) -> Generator[Card, Neighbours, list[tuple[float, ...]]]:
+        """Pass pieces along the chain both ways, :data:`SLOTS` per card and way, until every stage has all."""
+        s = self.state
+        s.phase = FLOOD
+        keep = 4 + s.width  # a decoded entry is padded to the gather's width
+        table = {int(piece[0]): piece for piece in mine}
+        # What is still to forward each way (own pieces, then what arrives from the other side), and how far sent.
+        queues, sent = (list(mine), list(mine)), [0, 0]
+        ends = (s.stage == s.n_stages - 1, s.stage == 0)
+        for _ in range(flood_rounds(s.n_stages)):
+            lanes = []
+            for way, (queue, end) in enumerate(zip(queues, ends, strict=True)):
+                lanes.append(() if end else tuple(queue[sent[way] : sent[way] + self.slots]))
+                sent[way] += len(lanes[-1])
+            left, right = yield s.make_card(to_right=lanes[0], to_left=lanes[1])
+            arrived = (left.to_right if left else (), right.to_left if right else ())
+            for lane, queue in zip(arrived, queues, strict=True):
+                for entry in lane:
+                    piece = entry if len(entry) == keep else entry[:keep]
+                    table[int(piece[0])] = piece
+                    queue.append(piece)
+        pieces = [table[k] for k in sorted(table)]
+        if [int(x[0]) for x in pieces[1:]] != [int(x[1]) for x in pieces[:-1]] or pieces[-1][1] != s.n_layers:
+            raise RuntimeError(f"diffusion stage {s.stage}: the flood left a gap in the pieces of the model")
+        return pieces
+
+    def _tally(self, pieces: Sequence[Sequence[float]], cuts: Sequence[int]) -> list[StageOutcome]:
+        """Every stage's outcome from the pieces (each tagged with its old and new stage) and the final cuts."""
+        n_stages, n_layers = self.state.n_stages, self.state.n_layers
+        table = np.asarray(pieces, dtype=np.float64)
+        was, now, sums = table[:, 2].astype(np.int64), table[:, 3].astype(np.int64), table[:, 4:]
+        moved = (was != now).astype(np.float64)
+
+        def per_stage(stage: np.ndarray, weight: np.ndarray | float = 1.0) -> list[list[float]]:
+            columns = [np.bincount(stage, weights=column * weight, minlength=n_stages) for column in sums.T]
+            return np.stack(columns, axis=1).tolist()
+
+        new, received, old = per_stage(now), per_stage(now, moved), per_stage(was)
+        sizes = sizes_of(cuts, n_layers)
+        return [StageOutcome(sizes[s], tuple(new[s]), tuple(received[s]), tuple(old[s])) for s in range(n_stages)]
+
+
+def _stages_of(pieces: Sequence[Sequence[float]], cuts: Sequence[int]) -> list[int]:
+    """The stage each piece (sorted, tiling the model) starts in under ``cuts``: one merge of two sorted lists."""
+    stages, stage = [], 0
+    for piece in pieces:
+        while stage < len(cuts) and cuts[stage] <= piece[0]:
+            stage += 1
+        stages.append(stage)
+    return stages

@@ -12,7 +12,9 @@ stages keep a static shape, and change only how many tokens the block computes o
   router score (``k = ceil(capacity * T)``) through the block; the others skip it through the residual. The routed
   tokens form a shorter sequence (in position order, causal among themselves). The block's contribution is multiplied
   by ``w = sigmoid(r) / stopgrad(sigmoid(r))`` — exactly 1 in value, the router weight's gradient in backward — so the
-  router learns which tokens profit from the block, and at capacity 1 the block is *exactly* the dense block.
+  router learns which tokens profit from the block, and at capacity 1 the block is *exactly* the dense block. The
+  router (and the predictor) score the layer-normalised hidden states (no affine parameters): on the raw residual
+  stream, whose scale grows, the router's weights grow with it and routing stops learning.
   Top-k over a sequence looks ahead, so for causal generation an auxiliary predictor (a linear probe on stop-gradient
   inputs, trained with BCE to predict top-k membership) decides routing without looking ahead; training and
   validation here use the top-k (the predictor's loss joins the auxiliary loss), as in Raposo et al. (2024).
@@ -140,6 +142,24 @@ class DepthRouter(nn.Module):
         """Start from the configured capacity (also after materialisation from the meta device)."""
         set_host_value(self, "capacity", self.initial_capacity)
 
+    @staticmethod
+    def normalise(h: Tensor) -> Tensor:
+        """What the router and the predictor score: the hidden states layer-normalised, without affine parameters.
+
+        The residual stream's scale grows with depth and training. A router on the raw stream, whose weight is 1 in
+        value (only its gradient flows), grows with it and turns routing into noise: at 12 blocks, capacity 0.5
+        trained to a validation loss of 3.33 against 2.72 dense; on the normalised stream, 2.73.
+        """
+        return F.layer_norm(h, h.shape[-1:])
+
+    def scores(self, h: Tensor) -> Tensor:
+        """Router logits ``(B, T)`` of hidden states ``(B, T, C)``; each sequence's top-k by them go through."""
+        return self.router(self.normalise(h)).squeeze(-1)
+
+    def top(self, logits: Tensor) -> Tensor:
+        """The positions ``(B, k)`` each sequence sends through the block, in sequence order."""
+        return logits.topk(self.k(logits.shape[1]), dim=1).indices.sort(dim=1).values
+
     def k(self, seq_len: int) -> int:
         """Tokens per sequence the block processes (the capacity is read from the device only after it changed)."""
         return max(1, min(seq_len, math.ceil(host_value(self, "capacity") * seq_len)))
@@ -223,8 +243,9 @@ def routed_forward(
     # Below capacity 1 the router and its predictor always join the loss (even if k rounds up to T), so whether the
     # carried auxiliary loss needs gradients depends on the capacity alone — stage metadata stays valid.
     k = router.k(T)
-    logits = router.router(h).squeeze(-1)
-    top = logits.topk(k, dim=1).indices.sort(dim=1).values
+    normed = router.normalise(h)
+    logits = router.router(normed).squeeze(-1)
+    top = router.top(logits)
     index = top[..., None].expand(-1, -1, C)
     x = h.gather(1, index)
     y, aux = dense(x)
@@ -233,7 +254,7 @@ def routed_forward(
     log_s = F.logsigmoid(logits.gather(1, top))
     out = x + (y - x) * torch.exp(log_s - log_s.detach())[..., None]
     target = torch.zeros_like(logits).scatter(1, top, 1.0)
-    bce = F.binary_cross_entropy_with_logits(router.predictor(h.detach()).squeeze(-1), target)
+    bce = F.binary_cross_entropy_with_logits(router.predictor(normed.detach()).squeeze(-1), target)
     if not is_probing():
         router.routed += B * k
         router.seen += B * T

@@ -224,7 +224,7 @@ def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
     module = call_args[0] if call_args else None
     world_size = strategy.num_nodes * strategy.num_processes
     check_world(world_size, strategy.data_parallel_size)
-    check_backend(strategy._process_group_backend, strategy.parallel_devices or [])
+    check_backend(strategy.process_group_backend, strategy.parallel_devices or [])
     pp_size, sizes = world_size // strategy.data_parallel_size, None
     if isinstance(module, pl.LightningModule):
         check_model(module)

@@ -1,7 +1,13 @@
-"""The strategy's shrink and grow: consolidating onto fewer processes and re-admitting them, as a mixin.
+"""The worlds the strategy runs in: the first, each one a shrink or a grow starts, and the end.
 
-:class:`ResizeMixin` is the part of :class:`~dynmo_lightning.DynMoStrategy` that changes the world's size; it
-orchestrates the rooms that do the work: the layer moves (:class:`~dynmo_lightning.pipeline.stages.LocalStages`),
+:class:`Resizer` carries out :meth:`DynMoStrategy.shrink <dynmo_lightning.DynMoStrategy.shrink>` and
+:meth:`~dynmo_lightning.DynMoStrategy.grow` (consolidating onto fewer processes, re-admitting them) and keeps what
+lives from one world to the next: who is in the job (:class:`~dynmo_lightning.pipeline.elastic.ElasticWorld`) and the
+heartbeats, one set per world (:class:`~dynmo_lightning.pipeline.watchdog.Heartbeats`). It is a collaborator of the
+strategy, not a part of it, and its constructor is the whole interface: the strategy's public face as far as a
+resize reads or sets it (:class:`ResizeHost`: the callbacks' ``PipelineControl`` and a few Lightning members), the
+few internals it needs (:class:`ResizeInternals`) and the one action that changes the strategy's process groups.
+It orchestrates the rooms that do the work: the layer moves (:class:`~dynmo_lightning.pipeline.stages.LocalStages`),
 the new layout (:mod:`~dynmo_lightning.pipeline.layout`), the world's restart and everyone's view of it
 (:mod:`~dynmo_lightning.pipeline.elastic`, :mod:`~dynmo_lightning.pipeline.groups`) and telling the job manager
 (:mod:`~dynmo_lightning.pipeline.release`).
@@ -9,12 +15,18 @@ the new layout (:mod:`~dynmo_lightning.pipeline.layout`), the world's restart an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
+import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.optim import Optimizer
 
 from dynmo_lightning import balance
 from dynmo_lightning.pipeline import elastic, groups, release
@@ -22,35 +34,111 @@ from dynmo_lightning.pipeline.elastic import ElasticWorld
 from dynmo_lightning.pipeline.layout import Mesh, ReplicaLayout
 from dynmo_lightning.pipeline.migration import MigrationStats
 from dynmo_lightning.pipeline.runtime import StagePlan
+from dynmo_lightning.pipeline.stages import LocalStages
+from dynmo_lightning.pipeline.watchdog import Heartbeats
+from dynmo_lightning.protocol import PipelineControl
 
 
-class ResizeMixin:
-    """Shrink and grow for :class:`~dynmo_lightning.DynMoStrategy` (which provides every attribute used here)."""
+class ResizeHost(PipelineControl, Protocol):
+    """The strategy as a resize sees it: its public members only; the first two are set to the new world's.
 
-    elastic: ElasticWorld
-    _timeout: timedelta
-    _process_group_backend: str | None
-    _batch_size: int | None
-    partitions: list[dict[str, Any]]
+    What callbacks see (:class:`~dynmo_lightning.protocol.PipelineControl`: partition, sizes, ``broadcast``, ...)
+    and the members of a Lightning strategy below.
+
+    Attributes:
+        cluster_environment: the current world's environment (main address, ranks); set to the resized one.
+        num_nodes: nodes running the job; set to the new world's.
+        data_parallel_size: the replicas the job started with.
+        heartbeat_timeout: seconds of silence after which a process counts as lost.
+        process_group_backend: the backend of the new world (``None``: gloo).
+    """
+
+    cluster_environment: ClusterEnvironment | None
     num_nodes: int
-    schedule: str
-    _mesh: Mesh | None
+    data_parallel_size: int
+    heartbeat_timeout: float
+    process_group_backend: str | None
 
     @property
-    def pipeline_nodes(self) -> list[Any] | None:
-        """The node of every pipeline rank (with replicas: the tuple of their nodes), for a repack that frees nodes."""
-        return self.elastic.pipeline_nodes(self._layout) if self._layout else None
+    def lightning_module(self) -> pl.LightningModule | None:
+        """Its trainer: the step, the callbacks told of a release, the loops a re-admitted process continues."""
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """Moved layers take their optimizer state along (edited in place)."""
+
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device (pinned at start-up)."""
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the current world."""
+
+
+@dataclass(frozen=True)
+class ResizeInternals:
+    """The strategy's internals a resize needs, as they are now (it asks again once the world changed).
+
+    Attributes:
+        stages: this process's stages; layers move through them (packed, migrated, run in the new world).
+        layout: the job's replicas, their data shards and batch parts; a shrink regroups it.
+        mesh: the job's process groups (the CPU control group agrees on copies; the new world's pipeline runs).
+        batch_size: the last training step's batch size (rank 0's is what every process splits).
+    """
+
+    stages: LocalStages
+    layout: ReplicaLayout
+    mesh: Mesh
+    batch_size: int | None
+
+
+class Resizer:
+    """The worlds of a strategy seen only through these arguments: started, shrunk, grown and ended.
+
+    Args:
+        host: the strategy's public face, as far as a resize reads it or sets it (:class:`ResizeHost`).
+        internals: returns the strategy's :class:`ResizeInternals` now (asked again once the world changed).
+        use_layout: makes the strategy adopt a layout in the current world (its process groups; collective).
+        timeout: of every collective and rendezvous of a new world.
+    """
+
+    def __init__(
+        self,
+        host: ResizeHost,
+        internals: Callable[[], ResizeInternals],
+        use_layout: Callable[[ReplicaLayout], None],
+        timeout: timedelta,
+    ) -> None:
+        self._host, self._internals, self._use_layout, self._timeout = host, internals, use_layout, timeout
+        #: The job's processes across restarts of the world: their nodes, stable ids, who waits to come back.
+        self.elastic = ElasticWorld()
+        #: This process's heartbeats in the current world; their phases name what the job does, for failure messages.
+        self.heartbeats = Heartbeats(host.heartbeat_timeout, self._step)
+
+    def _step(self) -> int:
+        module = self._host.lightning_module
+        return module.trainer.global_step if module is not None else -1
+
+    def start(self, node_rank: int) -> None:
+        """Run in the first world: the even layout, every process's node, the heartbeats (collective)."""
+        environment = self._host.cluster_environment
+        assert environment is not None
+        self._use_layout(ReplicaLayout.even(self._host.world_size, self._host.data_parallel_size))
+        self.elastic.start(node_rank)
+        self.heartbeats.start(environment, *groups.host_stores(1, environment.main_address, self._timeout))
+
+    def end(self) -> None:
+        """Training ended: the heartbeats stop, and processes released with ``on_release="wait"`` may exit."""
+        self.heartbeats.stop()
+        self.elastic.end()
 
     @property
     def waiting(self) -> int:
-        """Released processes waiting to be re-admitted by :meth:`grow` (one pipeline, one stage per rank only)."""
-        single = self.dp_size == 1 and self.stages_per_rank == 1 and self.pp_size >= 2
+        """Released processes a :meth:`grow` may re-admit now (one pipeline, one stage per rank only)."""
+        host = self._host
+        single = host.dp_size == 1 and host.stages_per_rank == 1 and host.pp_size >= 2
         return len(self.elastic.waiting) if single else 0
-
-    @property
-    def releases(self) -> list[dict[str, Any]]:
-        """Every release by a shrink (ranks, hosts, whole nodes freed)."""
-        return self.elastic.releases
 
     def shrink(
         self,
@@ -74,33 +162,35 @@ class ResizeMixin:
             release_to: told of the release by rank 0 of the new world (e.g. to shrink the Slurm allocation); the
                 environment it returns is applied on every survivor. Its failure is logged, never raised.
         """
-        assert self._stages and self._layout and self._mesh and self.cluster_environment and self.lightning_module
-        groups.check_shrink(keep_ranks, on_release, self.stages_per_rank)
-        lps = balance.validate_partition(layers_per_stage, self.n_layers, len(keep_ranks))
+        host, own, phase = self._host, self._internals(), self.heartbeats.phase
+        assert host.cluster_environment is not None and host.lightning_module is not None
+        groups.check_shrink(keep_ranks, on_release, host.stages_per_rank)
+        lps = balance.validate_partition(layers_per_stage, host.n_layers, len(keep_ranks))
         # Every process must derive the same new layout: agree on the batch size it splits first.
-        self._batch_size = self.broadcast(self._batch_size)
-        layout, copies = self._layout.regroup(keep_ranks, on_release, self._batch_size, self.n_microbatches)
+        batch_size = host.broadcast(own.batch_size)
+        layout, copies = own.layout.regroup(keep_ranks, on_release, batch_size, host.n_microbatches)
         # Rank 0 opens the new world's stores now, on ports no other process can take before they are used.
-        stores, ports = groups.host_stores(3, self.cluster_environment.main_address, self._timeout)
-        with self._phase(f"consolidation onto pipeline ranks {keep_ranks} (layer migration and copies)"):
-            stats = self._stages.pack(keep_ranks, lps, copies, self.optimizers, self._mesh.control)
-        with self._phase("consolidation (end of the old process group)"):
+        stores, ports = groups.host_stores(3, host.cluster_environment.main_address, self._timeout)
+        with phase(f"consolidation onto pipeline ranks {keep_ranks} (layer migration and copies)"):
+            stats = own.stages.pack(keep_ranks, lps, copies, host.optimizers, own.mesh.control)
+        with phase("consolidation (end of the old process group)"):
             dist.barrier()
-        self._stop_watchdog()  # the old world's heartbeats end with it (released processes fall silent on purpose)
-        trainer, world = self.lightning_module.trainer, self._world_args()
+        self.heartbeats.stop()  # the old world's heartbeats end with it (released processes fall silent on purpose)
+        trainer, world = host.lightning_module.trainer, self._world_args()
         self.elastic.keep_control(stores[1], ports[1])
-        if self.global_rank not in layout.order:
+        if host.global_rank not in layout.order:
             call = self.elastic.leave(trainer, on_release, **world)
             return self._join(call, [None, None], call.pop("state"))  # called back by a grow
-        self.cluster_environment, view, event = self.elastic.survive(
+        environment, view, event = self.elastic.survive(
             layout.order, stores, ports, trainer.global_step, on_release, **world
         )
-        kept = StagePlan(tuple(lps), len(keep_ranks), self.schedule)
-        self._adopt_world(view, layout.renumbered(), stores, ports, kept)
-        self.partitions.append({"step": trainer.global_step, "layers_per_stage": lps})
+        host.cluster_environment = environment
+        kept = StagePlan(tuple(lps), len(keep_ranks), host.schedule)
+        self._adopt(view, layout.renumbered(), stores, ports, kept)
+        host.partitions.append({"step": trainer.global_step, "layers_per_stage": lps})
         if release_to is not None and event.released_ranks:
-            env = release.notify(release_to, event) if self.is_global_zero else {}
-            release.apply_environment(self.broadcast(env))
+            env = release.notify(release_to, event) if host.global_rank == 0 else {}
+            release.apply_environment(host.broadcast(env))
         return stats
 
     def grow(self, layers_per_stage: list[int]) -> MigrationStats:
@@ -110,48 +200,57 @@ class ResizeMixin:
         at this step, and layers move with all their state, so the math does not change.
 
         Args:
-            layers_per_stage: the partition of the grown pipeline (at most :attr:`waiting` more stages than now).
+            layers_per_stage: the partition of the grown pipeline (at most ``waiting`` more stages than now).
         """
-        assert self._stages is not None and self.lightning_module is not None and self.cluster_environment
-        lps = balance.validate_partition(layers_per_stage, self.n_layers)
-        if not self.waiting or len(lps) - self.pp_size > self.waiting:
+        host = self._host
+        assert host.cluster_environment is not None and host.lightning_module is not None
+        lps = balance.validate_partition(layers_per_stage, host.n_layers)
+        if not self.waiting or len(lps) - host.pp_size > self.waiting:
             raise ValueError(f"cannot grow to {len(lps)} stages: {self.waiting} released processes wait to come back")
-        trainer = self.lightning_module.trainer
-        stores, ports = groups.host_stores(2, self.cluster_environment.main_address, self._timeout)
-        plan = self.elastic.call_plan(lps, self.layers_per_stage, ports, trainer.global_step)
+        trainer = host.lightning_module.trainer
+        stores, ports = groups.host_stores(2, host.cluster_environment.main_address, self._timeout)
+        plan = self.elastic.call_plan(lps, host.layers_per_stage, ports, trainer.global_step)
         state = elastic.capture_trainer_state(trainer)  # on every process: callbacks' state_dict may be collective
-        if self.is_global_zero:
+        if host.global_rank == 0:
             self.elastic.call_back(plan, state)
-        with self._phase("growth (end of the old process group)"):
+        with self.heartbeats.phase("growth (end of the old process group)"):
             dist.barrier()
-        self._stop_watchdog()
+        self.heartbeats.stop()
         dist.destroy_process_group()
         return self._join(plan, stores, None)
 
     def _join(self, plan: dict[str, Any], stores: list[Any], state: dict[str, Any] | None) -> MigrationStats:
         """Start the grown world of ``plan`` and move layers onto its new stages (collective over it)."""
-        assert self._stages is not None and self.lightning_module is not None
-        self.cluster_environment, view = self.elastic.join(plan, stores, **self._world_args())
+        host = self._host
+        assert host.lightning_module is not None
+        host.cluster_environment, view = self.elastic.join(plan, stores, **self._world_args())
         if state is not None:
-            elastic.restore_trainer_state(self.lightning_module.trainer, state)
-        padded = StagePlan(tuple(plan["padded"]), view.world_size, self.schedule)
-        self._adopt_world(view, ReplicaLayout.even(view.world_size, 1), stores, plan["ports"], padded)
-        with self._phase(f"growth onto {view.world_size} ranks (layer migration)"):
-            grown = StagePlan(tuple(plan["plan"]), view.world_size, self.schedule)
-            stats = self._stages.migrate(grown, self.optimizers)
-        self.partitions.append({"step": plan["step"], "layers_per_stage": plan["plan"]})
+            elastic.restore_trainer_state(host.lightning_module.trainer, state)
+        padded = StagePlan(tuple(plan["padded"]), view.world_size, host.schedule)
+        own = self._adopt(view, ReplicaLayout.even(view.world_size, 1), stores, plan["ports"], padded)
+        with self.heartbeats.phase(f"growth onto {view.world_size} ranks (layer migration)"):
+            grown = StagePlan(tuple(plan["plan"]), view.world_size, host.schedule)
+            stats = own.stages.migrate(grown, host.optimizers)
+        host.partitions.append({"step": plan["step"], "layers_per_stage": plan["plan"]})
         return stats
 
     def _world_args(self) -> dict[str, Any]:
-        backend = self._process_group_backend or "gloo"
-        return {"environment": self.cluster_environment, "backend": backend, "timeout": self._timeout,
-                "device": self.root_device}  # fmt: skip
+        """What starting (or leaving) a world needs: the current environment, backend, timeout and this device."""
+        host = self._host
+        backend = host.process_group_backend or "gloo"
+        return {"environment": host.cluster_environment, "backend": backend, "timeout": self._timeout,
+                "device": host.root_device}  # fmt: skip
 
-    def _adopt_world(self, view: Any, layout: ReplicaLayout, stores: list[Any], ports: list[int], plan: StagePlan):
-        """Run ``plan`` (layers in place) with ``layout`` in the new world of ``view``."""
-        assert self._stages is not None
-        self.num_nodes = view.num_nodes
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+    def _adopt(
+        self, view: groups.WorldView, layout: ReplicaLayout, stores: list[Any], ports: list[int], plan: StagePlan
+    ) -> ResizeInternals:
+        """Run ``plan`` (layers in place) with ``layout`` in the new world of ``view``; the internals there."""
+        host = self._host
+        assert host.cluster_environment is not None
+        host.num_nodes = view.num_nodes
+        rank_zero_only.rank = utils_rank_zero_only.rank = host.global_rank
         self._use_layout(layout)
-        self._start_watchdog(stores, ports)
-        self._stages.adopt(plan, self._pipe, self.optimizers)
+        self.heartbeats.start(host.cluster_environment, stores, ports)
+        own = self._internals()  # the new world's groups
+        own.stages.adopt(plan, own.mesh.pipeline, host.optimizers)
+        return own

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,38 @@ class Watchdog:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval)
+
+
+class Heartbeats:
+    """This process's :class:`Watchdog` across the job's worlds: one per world, none between, and the phases named.
+
+    A world's heartbeats end before the world does (a shrink's released processes fall silent on purpose) and the
+    next world's start in it; outside a world, phases name nothing.
+
+    Args:
+        stale_after: seconds of silence after which a process counts as lost.
+        step: returns the training step (for messages).
+    """
+
+    def __init__(self, stale_after: float, step: Callable[[], int]) -> None:
+        self.stale_after, self._step = stale_after, step
+        self.watchdog: Watchdog | None = None
+
+    def start(self, environment: ClusterEnvironment, stores: list[dist.TCPStore | None], ports: list[int]) -> None:
+        """Start this process's heartbeats in the world of ``environment``; the last of its host stores serves them."""
+        kwargs = {"interval": min(2.0, self.stale_after / 5), "stale_after": self.stale_after, "store": stores[-1]}
+        rank, size = environment.global_rank(), environment.world_size()
+        self.watchdog = Watchdog(environment.main_address, ports[-1], rank=rank, world_size=size, **kwargs)
+
+    def stop(self) -> None:
+        """End this world's heartbeats (before the world ends, or at the end of training)."""
+        if self.watchdog is not None:
+            self.watchdog, watchdog = None, self.watchdog
+            watchdog.stop()
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        """Name what the job does (for failure messages; a lost peer's error then names it and the phase)."""
+        return contextlib.nullcontext() if self.watchdog is None else self.watchdog.phase(name, self._step)
 
 
 def is_distributed_failure(error: BaseException) -> bool:

@@ -171,8 +171,7 @@ class DecoderLayer(nn.Module):
         if router is None or self.rotary is None or host_value(router, "capacity") >= 1.0:
             return None
         with torch.no_grad():
-            scores = router.router(h).squeeze(-1)
-            return scores.topk(router.k(h.shape[1]), dim=1).indices.sort(dim=1).values
+            return router.top(router.scores(h))
 
     def forward(
         self, h: Tensor, active: Tensor | None = None, aux: Tensor | None = None
