@@ -14,8 +14,10 @@ When a step is profiled, each stage runs its layers through :meth:`LayerProfiler
   stage opens :meth:`LayerProfiler.weight_pass` around it; a gradient hook on every parameter stamps the moment
   that parameter's gradient is done, and the gap since the previous stamp counts for its layer (the boundary
   hooks, which the weight pass fires again on its way through the activations, are ignored there). A layer's
-  ``bwd_input`` and ``bwd_weight`` are the two parts, ``bwd`` their sum; under a schedule that does not split,
-  the whole backward is ``bwd_input``;
+  ``bwd_input`` and ``bwd_weight`` are the two parts, ``bwd`` their sum: what runs in the schedule's input slot
+  and in its weight slot. torch runs the first stage's whole backward in the weight slot (nothing to send
+  upstream), and a stage whose inputs carry no gradient runs it whole in the input slot (see the runtime's
+  ``_Stage``); under a schedule that does not split, the whole backward is ``bwd_input``;
 * activation memory: bytes of the tensors autograd saves for backward inside each layer (``saved_tensors_hooks``),
   parameters excluded, per micro-batch.
 
