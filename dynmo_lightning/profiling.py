@@ -8,6 +8,16 @@ When a step is profiled, each stage runs its layers through :meth:`LayerProfiler
   layer's input carries no gradient (token ids into the embedding, the output of a frozen prefix), its backward ends
   with its last parameter-gradient accumulation instead. Hooks observe; they never change a value, so profiling
   leaves the math untouched;
+* zero-bubble schedules split a backward into an input pass (``stage_backward_input``: gradients of the activations,
+  where the boundary hooks fire, so the gaps above time each layer's input part) and a later weight pass
+  (``stage_backward_weight``: gradients of the parameters, set as ``.grad`` without an accumulation). The runtime's
+  stage opens :meth:`LayerProfiler.weight_pass` around it; a gradient hook on every parameter stamps the moment
+  that parameter's gradient is done, and the gap since the previous stamp counts for its layer (the boundary
+  hooks, which the weight pass fires again on its way through the activations, are ignored there). A layer's
+  ``bwd_input`` and ``bwd_weight`` are the two parts, ``bwd`` their sum: what runs in the schedule's input slot
+  and in its weight slot. torch runs the first stage's whole backward in the weight slot (nothing to send
+  upstream), and a stage whose inputs carry no gradient runs it whole in the input slot (see the runtime's
+  ``_Stage``); under a schedule that does not split, the whole backward is ``bwd_input``;
 * activation memory: bytes of the tensors autograd saves for backward inside each layer (``saved_tensors_hooks``),
   parameters excluded, per micro-batch.
 
@@ -24,11 +34,12 @@ it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -73,15 +84,19 @@ class LayerCost:
 
     Attributes:
         fwd: forward time.
-        bwd: backward time (with the recomputation of a checkpointed layer).
+        bwd: backward time (with the recomputation of a checkpointed layer): ``bwd_input + bwd_weight``.
         activation_bytes: bytes the layer keeps for backward while the micro-batch is in flight.
         recompute_bytes: bytes a checkpointed layer's recomputation rebuilds during its backward (0 for the others).
+        bwd_input: the backward's input part (gradients of the activations); all of it unless the schedule splits.
+        bwd_weight: the backward's weight part (gradients of the parameters) under a zero-bubble schedule, else 0.
     """
 
     fwd: float
     bwd: float
     activation_bytes: int
     recompute_bytes: int
+    bwd_input: float = 0.0
+    bwd_weight: float = 0.0
 
 
 class LayerProfiler:
@@ -105,6 +120,8 @@ class LayerProfiler:
         self._events: list[tuple[str, Any, Any]] = []
         self._hooks: list[Any] = []
         self._seen_layers: set[int] = set()
+        self._weighed_layers: set[int] = set()
+        self._in_weight_pass = False
 
     def start(self) -> None:
         """Profile the following forward/backward passes (until :meth:`stop`)."""
@@ -123,6 +140,8 @@ class LayerProfiler:
             self._mark(x, (call, index))
             if not any(t.requires_grad for t in as_tuple(x) if isinstance(t, Tensor)):
                 self._watch_params(index, layer)
+            if torch.is_grad_enabled():
+                self._weigh_params(index, layer)
             pack, observe = self._counters(index, layer)
             start = self._clock.now()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -163,7 +182,12 @@ class LayerProfiler:
         for t in as_tuple(x):
             if isinstance(t, Tensor) and t.requires_grad:
                 # Removed in `stop`: stage input buffers persist across steps.
-                self._hooks.append(t.register_hook(lambda _g, key=key: self._stamp("boundary", key)))
+                self._hooks.append(t.register_hook(lambda _g, key=key: self._stamp_boundary(key)))
+
+    def _stamp_boundary(self, key: tuple[int, int]) -> None:
+        # A weight pass runs through the activations' graph again: its arrivals are not the input pass's.
+        if not self._in_weight_pass:
+            self._stamp("boundary", key)
 
     def _stamp(self, kind: str, key: Any) -> None:
         self._events.append((kind, key, self._clock.now()))
@@ -179,6 +203,32 @@ class LayerProfiler:
                     p.register_post_accumulate_grad_hook(lambda _p, index=index: self._stamp("param", index))
                 )
 
+    def _weigh_params(self, index: int, layer: nn.Module) -> None:
+        """Stamp every parameter gradient of ``layer`` computed inside a :meth:`weight_pass`."""
+        if index in self._weighed_layers:
+            return
+        self._weighed_layers.add(index)
+        for p in layer.parameters():
+            if p.requires_grad:
+                self._hooks.append(p.register_hook(lambda _g, index=index: self._stamp_weight(index)))
+
+    def _stamp_weight(self, index: int) -> None:
+        if self._in_weight_pass:  # a full backward computes the same gradients: its time is the boundaries'
+            self._stamp("weight", index)
+
+    @contextlib.contextmanager
+    def weight_pass(self) -> Iterator[None]:
+        """Around a stage's weight pass (``backward_weight_one_chunk``): its parameter gradients are timed."""
+        if not self.active:
+            yield
+            return
+        self._stamp("weight_pass", None)
+        self._in_weight_pass = True
+        try:
+            yield
+        finally:
+            self._in_weight_pass = False
+
     def stop(self) -> dict[int, LayerCost]:
         """End profiling and return this process's measurements per layer index (per micro-batch averages)."""
         self.active = False
@@ -189,13 +239,15 @@ class LayerProfiler:
         for index, start, end in self._fwd:
             fwd[index] += self._clock.elapsed(start, end)
             calls[index] += 1
-        bwd = self._backward_times()
+        bwd, weight = self._backward_times(), self._weight_times()
         result = {
             i: LayerCost(
                 fwd=fwd[i] / n,
-                bwd=bwd.get(i, 0.0) / n,
+                bwd=(bwd.get(i, 0.0) + weight.get(i, 0.0)) / n,
                 activation_bytes=self._act[i] // n,
                 recompute_bytes=self._recompute[i] // n,
+                bwd_input=bwd.get(i, 0.0) / n,
+                bwd_weight=weight.get(i, 0.0) / n,
             )
             for i, n in calls.items()
         }
@@ -208,6 +260,8 @@ class LayerProfiler:
         param_end: dict[tuple[int, int], Any] = {}
         current_call = -1
         for kind, key, stamp in self._events:
+            if kind in ("weight_pass", "weight"):
+                continue  # see _weight_times
             if kind == "boundary":
                 times[key] = stamp
                 current_call = key[0]
@@ -219,6 +273,18 @@ class LayerProfiler:
             end = times.get((call, layer), param_end.get((call, layer)))
             if end is not None and layer >= 0:
                 out[layer] += max(0.0, self._clock.elapsed(start, end))
+        return out
+
+    def _weight_times(self) -> dict[int, float]:
+        """Per layer, the summed weight-pass time: each gap between stamps of a pass counts for the later stamp."""
+        out: dict[int, float] = defaultdict(float)
+        previous = None
+        for kind, key, stamp in self._events:
+            if kind == "weight_pass":
+                previous = stamp
+            elif kind == "weight" and previous is not None:
+                out[key] += max(0.0, self._clock.elapsed(previous, stamp))
+                previous = stamp
         return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -47,7 +47,7 @@ from dynmo_lightning.pipeline.neighbours import NeighbourStats, run_stage
 from dynmo_lightning.pipeline.precision import PipelinePrecision
 from dynmo_lightning.pipeline.reduce import GlobalNormClipping, replicas_in_sync
 from dynmo_lightning.pipeline.resize import ResizeInternals, Resizer
-from dynmo_lightning.pipeline.runtime import StagePlan, first_dim
+from dynmo_lightning.pipeline.runtime import ScheduleName, StagePlan, first_dim
 from dynmo_lightning.pipeline.stages import LocalStages
 from dynmo_lightning.profiling import DeviceClock
 from dynmo_lightning.protocol import split_batch
@@ -66,10 +66,10 @@ class DynMoStrategy(ParallelStrategy):
 
     Args:
         n_microbatches: micro-batches per batch; the batch size must be a multiple of it.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"`` (schedules of ``torch.distributed.pipelining``).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zb"``, ``"zbv"``, ``"dualpipev"``.
         partition: initial layers per stage: ``"uniform"`` (by layer count), ``"params"`` (balance parameter counts,
             as DeepSpeed does), or an explicit list such as ``[3, 5]``.
-        stages_per_rank: stages per process; more than one needs ``schedule="interleaved_1f1b"``.
+        stages_per_rank: stages per process: >= 2 for the interleaved schedules, 2 for ``"zbv"``/``"dualpipev"``.
         data_parallel_size: replicas of the pipeline; the number of processes must be a multiple of it. The
             dataloader's batch size is per replica, as with DDP.
         timeout: timeout of every collective and point-to-point operation.
@@ -93,7 +93,7 @@ class DynMoStrategy(ParallelStrategy):
     def __init__(
         self,
         n_microbatches: int = 4,
-        schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b",
+        schedule: ScheduleName = "1f1b",
         partition: str | list[int] = "uniform",
         stages_per_rank: int = 1,
         data_parallel_size: int = 1,
@@ -465,7 +465,7 @@ class DynMoStrategy(ParallelStrategy):
         """
         assert self._stages is not None and self.lightning_module is not None
         lps = balance.validate_partition(layers_per_stage, self.n_layers, self.n_stages)
-        new = StagePlan(tuple(lps), self.pp_size)
+        new = StagePlan(tuple(lps), self.pp_size, self.schedule)
         if new == self._stages.plan:
             return MigrationStats(moves=[])
         with self._phase(f"layer migration {self.layers_per_stage} -> {lps}"):

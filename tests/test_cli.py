@@ -36,6 +36,7 @@ SUMMARY_KEYS = {
         ["trainer.devices=4", "trainer.max_steps=7", "seed=3"],
         ["strategy.schedule=gpipe", "strategy.n_microbatches=8", "strategy.partition=[2,4]"],
         ["strategy.schedule=interleaved_1f1b", "strategy.stages_per_rank=2"],
+        ["strategy.schedule=zbv", "strategy.stages_per_rank=2"],
     ],
 )
 def test_overrides_compose(overrides):

@@ -124,6 +124,34 @@ def test_interleaved_schedule_constraints():
         check_schedule("1f1b", n_ranks=4, n_stages=4, n_microbatches=2)
 
 
+def test_zero_bubble_schedule_constraints():
+    from dynmo_lightning.pipeline.runtime import check_schedule
+
+    with pytest.raises(ValueError, match="'zbv' needs at least 2 processes"):
+        _fit(tiny_gpt(), DynMoStrategy(schedule="zbv", stages_per_rank=2))
+    for stages in (2, 6):  # one or three stages per rank: the V holds exactly two
+        with pytest.raises(ValueError, match=r"exactly two stages on every rank .*strategy.stages_per_rank=2"):
+            check_schedule("zbv", n_ranks=2, n_stages=stages, n_microbatches=4)
+    with pytest.raises(ValueError, match=r"n_microbatches=3 < 4 stages: DualPipeV .*n_microbatches >= 4"):
+        check_schedule("dualpipev", n_ranks=2, n_stages=4, n_microbatches=3)
+    with pytest.raises(ValueError, match="'interleaved_zb' needs several stages per rank"):
+        check_schedule("interleaved_zb", n_ranks=2, n_stages=2, n_microbatches=4)
+    with pytest.raises(ValueError, match=r"n_microbatches=9 does not work with strategy.schedule='interleaved_zb'"):
+        check_schedule("interleaved_zb", n_ranks=4, n_stages=8, n_microbatches=9)
+    with pytest.raises(ValueError, match=r"stages_per_rank > 1 needs one of \['interleaved_1f1b', 'interleaved_zb'"):
+        check_schedule("1f1b", n_ranks=2, n_stages=4, n_microbatches=4)
+    check_schedule("zbv", n_ranks=2, n_stages=4, n_microbatches=1)  # torch's ZBV drops the missing micro-batches
+    check_schedule("dualpipev", n_ranks=2, n_stages=4, n_microbatches=4)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv", "dualpipev"])
+def test_split_backward_refuses_replicas_and_recomputation(schedule):
+    with pytest.raises(ValueError, match=r"bypasses DDP's gradient averaging.*strategy.data_parallel_size=1"):
+        DynMoStrategy(schedule=schedule, stages_per_rank=2, data_parallel_size=2)
+    with pytest.raises(ValueError, match=r"strategy.activation_checkpointing='all' is not supported with"):
+        DynMoStrategy(schedule=schedule, stages_per_rank=2, activation_checkpointing="all")
+
+
 def test_accumulate_grad_batches_points_to_microbatches():
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=2.*n_microbatches"):
         _fit(tiny_gpt(), DynMoStrategy(n_microbatches=2), _loader(), accumulate_grad_batches=2)

@@ -99,3 +99,53 @@ def test_cost_tracker_ignores_a_one_step_spike_but_follows_a_lasting_change():
     assert clone.values == tracker.values  # the window survives a checkpoint
     with pytest.raises(ValueError, match="window=0 must be >= 1"):
         CostTracker(1, window=0)
+
+
+class _Ticks:
+    """A clock that advances one tick per reading (deterministic durations, no wall clock)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    def elapsed(self, start: float, end: float) -> float:
+        return end - start
+
+
+def test_split_backward_is_timed_in_its_input_and_weight_parts():
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from dynmo_lightning.profiling import LayerProfiler
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    profiler = LayerProfiler(torch.device("cpu"), clock=_Ticks())
+    profiler.start()
+    x = torch.randn(3, 4, requires_grad=True)  # a later stage's input: it carries a gradient
+    out = profiler.run(layers, 1, x)
+    params = [p for layer in layers for p in layer.parameters()]
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], iter(params))
+    assert all(p.grad is None for p in params)  # the input pass computed no weight gradient
+    with profiler.weight_pass():
+        stage_backward_weight(iter(params), groups)
+    assert all(p.grad is not None for p in params)
+    costs = profiler.stop()
+    assert sorted(costs) == [1, 2]
+    for cost in costs.values():
+        assert cost.bwd_input > 0 and cost.bwd_weight > 0  # both parts seen, for each layer
+        assert cost.bwd == cost.bwd_input + cost.bwd_weight
+
+
+def test_full_backward_is_all_input_part():
+    from dynmo_lightning.profiling import LayerProfiler
+
+    layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    profiler = LayerProfiler(torch.device("cpu"), clock=_Ticks())
+    profiler.start()
+    x = torch.randn(3, 4, requires_grad=True)
+    profiler.run(layers, 0, x).sum().backward()
+    for cost in profiler.stop().values():
+        assert cost.bwd_weight == 0.0 and cost.bwd == cost.bwd_input > 0

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dynmo_lightning.balance._validation import as_values
+from dynmo_lightning.balance.placement import stage_ranks
 
 
 def prefix_sums(values: np.ndarray) -> np.ndarray:
@@ -120,22 +121,29 @@ def imbalance(loads: Sequence[float]) -> float:
     return max(loads) / mean if mean > 0 else 1.0
 
 
-def layer_owners(layers_per_stage: Sequence[int], n_ranks: int | None = None) -> list[int]:
-    """The rank holding each layer: stage ``s`` runs on rank ``s % n_ranks`` (one stage per rank by default).
+def layer_owners(layers_per_stage: Sequence[int], n_ranks: int | None = None, schedule: str = "1f1b") -> list[int]:
+    """The rank holding each layer, stages placed by :func:`~dynmo_lightning.balance.placement.stage_ranks`.
 
     Args:
         layers_per_stage: a partition.
-        n_ranks: ranks of the pipeline (fewer than the stages when each rank runs several interleaved stages).
+        n_ranks: ranks of the pipeline (fewer than the stages when each rank runs several stages; default: one
+            stage per rank).
+        schedule: the schedule, which places the stages (a loop, or the V of ``"zbv"``/``"dualpipev"``).
 
     Returns:
         One rank per layer.
     """
     ranks = n_ranks or len(layers_per_stage)
-    return [stage % ranks for stage, n in enumerate(layers_per_stage) for _ in range(n)]
+    placed = stage_ranks(schedule, ranks, len(layers_per_stage) // ranks)
+    return [placed[stage] for stage, n in enumerate(layers_per_stage) for _ in range(n)]
 
 
 def bytes_moved(
-    current: Sequence[int], proposed: Sequence[int], layer_bytes: Sequence[float], n_ranks: int | None = None
+    current: Sequence[int],
+    proposed: Sequence[int],
+    layer_bytes: Sequence[float],
+    n_ranks: int | None = None,
+    schedule: str = "1f1b",
 ) -> float:
     """Bytes of the layers that change rank when the split ``current`` becomes ``proposed`` over the same ranks.
 
@@ -144,9 +152,10 @@ def bytes_moved(
         proposed: the partition after the move.
         layer_bytes: what moves with each layer (parameters plus optimizer state).
         n_ranks: ranks of the pipeline (see :func:`layer_owners`).
+        schedule: the schedule, which places the stages (see :func:`layer_owners`).
 
     Returns:
         The sum of ``layer_bytes`` over the layers whose owner changes.
     """
-    now, new = layer_owners(current, n_ranks), layer_owners(proposed, n_ranks)
+    now, new = layer_owners(current, n_ranks, schedule), layer_owners(proposed, n_ranks, schedule)
     return math.fsum(b for b, x, y in zip(layer_bytes, now, new, strict=True) if x != y)

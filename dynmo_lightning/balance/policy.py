@@ -399,7 +399,7 @@ class BalancePolicy:
         if planned is None:
             model = self.step_model(pipe)
             before, after = (model.stage_times(split)[:2] for split in (current, proposed))
-            moved = bytes_moved(current, proposed, self.layer_bytes(), pipe.n_ranks)
+            moved = bytes_moved(current, proposed, self.layer_bytes(), pipe.n_ranks, pipe.schedule)
         else:  # sums over (compute, memory, fwd, bwd, bytes), see diffusion_stage
             before = ([o.old[2] for o in planned], [o.old[3] for o in planned])
             after = ([o.new[2] for o in planned], [o.new[3] for o in planned])

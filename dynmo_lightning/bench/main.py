@@ -107,6 +107,7 @@ def real_runs(cfg: DictConfig, out: Path) -> None:
                         "name": name, "dynamic": dynamic, "policy": policy, "repeat": repeat, "steps": r.steps,
                         "measure_from": r.measure_from, "microbatches": r.microbatches, "world_size": r.world_size,
                         "accelerator": r.accelerator, "model": OmegaConf.to_container(r.model),
+                        "schedule": r.get("schedule", "1f1b"), "stages_per_rank": r.get("stages_per_rank", 1),
                         "data": OmegaConf.to_container(r.data), "balancer": OmegaConf.to_container(r.balancer),
                         "result": str(out / "real" / f"{name}.json"),
                     }

@@ -101,12 +101,15 @@ def _sparse(strength: float, steps: int, n_blocks: int) -> L.Callback:
 
 #: The dynamics as their own papers run them (the preset strength is the named configuration).
 PRESETS: dict[str, Preset] = {
-    "freezing": Preset("AutoFreeze (growing frozen prefix)", "percentile", 60.0, (40.0, 60.0, 80.0, 95.0, 99.0),
-                       _freezing),
-    "pruning": Preset("Zhu & Gupta, global structured", "final sparsity", 0.8, (0.3, 0.5, 0.7, 0.8, 0.9, 0.95),
-                      _pruning),
-    "early_exit": Preset("saturation exits (cos 0.9)", "minimum depth share", 0.25,
-                         (0.75, 0.5, 0.25, 0.125, 0.0625, 0.0), _early_exit),
+    "freezing": Preset(
+        "AutoFreeze (growing frozen prefix)", "percentile", 60.0, (40.0, 60.0, 80.0, 95.0, 99.0), _freezing
+    ),
+    "pruning": Preset(
+        "Zhu & Gupta, global structured", "final sparsity", 0.8, (0.3, 0.5, 0.7, 0.8, 0.9, 0.95), _pruning
+    ),
+    "early_exit": Preset(
+        "saturation exits (cos 0.9)", "minimum depth share", 0.25, (0.75, 0.5, 0.25, 0.125, 0.0625, 0.0), _early_exit
+    ),
     "mod": Preset("Mixture of Depths, every other block", "capacity", 0.125, (0.5, 0.25, 0.125, 0.0625, 0.03125), _mod),
     "moe": Preset("Switch, 8 experts every other block", "capacity factor", 1.25, (2.0, 1.25, 1.0, 0.75, 0.5), _moe),
     "sparse_attention": Preset("adaptive block-sparse", "target coverage", 0.9, (0.95, 0.9, 0.8, 0.6, 0.4), _sparse),

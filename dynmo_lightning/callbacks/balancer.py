@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from dynmo_lightning import balance
 from dynmo_lightning.balance import CostTracker
+from dynmo_lightning.balance.placement import rank_stages
 from dynmo_lightning.balance.policy import GROW, METHODS, MIGRATE, REPACK, BalancePolicy, Decision, PipelineShape
 from dynmo_lightning.pipeline.groups import ON_RELEASE
 from dynmo_lightning.pipeline.release import RELEASE_TO, ReleaseHandler, make_release_handler
@@ -348,7 +349,7 @@ class DynMoBalancer(Callback):
             "balancer/migrated": float(record["migrated"]),
             "balancer/plan_ms": 1e3 * record["plan_s"],
             "balancer/migrate_ms": 1e3 * record["migrate_s"],
-            "balancer/imbalance_predicted": balance.imbalance(predicted),
+            "balancer/imbalance_predicted": balance.imbalance(_rank_loads(predicted, strategy)),
         }
         if "diffusion_rounds" in record:
             metrics["balancer/diffusion_rounds"] = float(record["diffusion_rounds"])
@@ -358,9 +359,12 @@ class DynMoBalancer(Callback):
             last = self.last_measured
             measured_costs = [last[i]["fwd"] + last[i]["bwd"] for i in range(strategy.n_layers)]
             measured = balance.stage_loads(measured_costs, record["current"])
-            metrics["balancer/imbalance_measured"] = balance.imbalance(measured)
+            metrics["balancer/imbalance_measured"] = balance.imbalance(_rank_loads(measured, strategy))
             for s, load in enumerate(measured):
                 metrics[f"balancer/stage{s}_load_measured_ms"] = 1e3 * load
+            if strategy.stages_per_rank > 1:
+                for r, load in enumerate(_rank_loads(measured, strategy)):
+                    metrics[f"balancer/rank{r}_load_measured_ms"] = 1e3 * load
         for s, (load, n) in enumerate(zip(predicted, strategy.layers_per_stage, strict=True)):
             metrics[f"balancer/stage{s}_load_predicted_ms"] = 1e3 * load
             metrics[f"balancer/stage{s}_layers"] = float(n)
@@ -382,3 +386,11 @@ class DynMoBalancer(Callback):
         self.policy.load_state_dict(state_dict, self._bound.n_layers if self._bound is not None else None)
         self.history = list(state_dict.get("history", []))
         self._restored = state_dict
+
+
+def _rank_loads(stage_loads: list[float], strategy: PipelineControl) -> list[float]:
+    """Every pipeline rank's load: the sum of its stages' (a rank runs its stages one after the other)."""
+    if len(stage_loads) != strategy.pp_size * strategy.stages_per_rank:
+        return stage_loads  # the split of another pipeline (before a resize): per stage
+    owned = rank_stages(strategy.schedule, strategy.pp_size, strategy.stages_per_rank)
+    return [sum(stage_loads[s] for s in stages) for stages in owned]

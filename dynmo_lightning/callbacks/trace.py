@@ -1,8 +1,9 @@
 """CostTrace: write every profiled step's per-layer costs to ``costs.jsonl`` (for the simulator and the plots).
 
 One JSON object per line: ``{"step", "fwd", "bwd", "activation_bytes", "param_bytes", "grad_bytes", "optim_bytes",
-"layers_per_stage", "world_size", "changed_layers"}`` with per-layer lists (seconds per micro-batch, bytes), and the
-layers a dynamics callback changed just before the step (recorded on profiled steps only: profile every step to
+"bwd_input", "bwd_weight", "layers_per_stage", "world_size", "changed_layers"}`` with per-layer lists (seconds per
+micro-batch, bytes; ``bwd = bwd_input + bwd_weight``, the weight part measured apart under zero-bubble schedules),
+and the layers a dynamics callback changed just before the step (recorded on profiled steps only: profile every step to
 keep every event). It shares the profiler
 with :class:`~dynmo_lightning.callbacks.DynMoBalancer`: a step either of them profiles is measured once and seen
 by both.
@@ -66,8 +67,9 @@ class CostTrace(Callback):
         if measured is None or not trainer.is_global_zero:
             return
         record: dict[str, Any] = {"step": trainer.global_step - 1}
-        for field in CostTracker.FIELDS:
-            record[field] = [measured[i][field] for i in range(len(measured))]
+        # The backward's input and weight parts too (zero-bubble schedules schedule them apart; see profiling).
+        for field in (*CostTracker.FIELDS, "bwd_input", "bwd_weight"):
+            record[field] = [measured[i].get(field, 0.0) for i in range(len(measured))]
         record["layers_per_stage"] = strategy.layers_per_stage
         record["world_size"] = trainer.world_size
         # Layers a dynamic changed just before this step (the balancer reacts to them; the simulator replays it).

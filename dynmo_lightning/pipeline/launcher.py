@@ -25,7 +25,7 @@ from typing_extensions import override
 from dynmo_lightning.launch import end_world_at_exit
 from dynmo_lightning.pipeline.evaluation import EVAL_HOOK
 from dynmo_lightning.pipeline.layout import check_batch
-from dynmo_lightning.pipeline.runtime import SCHEDULES
+from dynmo_lightning.pipeline.runtime import SCHEDULES, SPLIT_BACKWARD
 from dynmo_lightning.pipeline.split import PARTITIONS, initial_partition
 from dynmo_lightning.protocol import JobShape, PipelineModule, PreLaunchCheck, ProtocolError, check_protocol
 from dynmo_lightning.recompute import checkpoint_policy
@@ -60,6 +60,30 @@ def check_arguments(
     if heartbeat_timeout <= 0:
         raise ValueError(f"strategy.heartbeat_timeout={heartbeat_timeout} must be > 0 seconds")
     checkpoint_policy(activation_checkpointing)
+    if schedule in SPLIT_BACKWARD:
+        check_split_backward(schedule, data_parallel_size, activation_checkpointing)
+
+
+def check_split_backward(schedule: str, data_parallel_size: int, activation_checkpointing: Any) -> None:
+    """Refuse what a zero-bubble schedule (backward split into its input and weight parts) cannot run exactly.
+
+    Raises:
+        ValueError: data-parallel replicas or activation checkpointing with such a schedule.
+    """
+    if data_parallel_size > 1:
+        # torch's weight pass assigns `.grad` itself, past the gradient hooks DDP's reducer averages in.
+        raise ValueError(
+            f"strategy.schedule={schedule!r} splits every backward into an input and a weight pass, and the "
+            "weight pass bypasses DDP's gradient averaging: it runs one pipeline replica only. Set "
+            "strategy.data_parallel_size=1, or use schedule='interleaved_1f1b' (or '1f1b') with replicas."
+        )
+    if activation_checkpointing is not None:
+        # Untested: a checkpointed layer would be recomputed in the input pass and needed again in the weight pass.
+        raise ValueError(
+            f"strategy.activation_checkpointing={activation_checkpointing!r} is not supported with "
+            f"strategy.schedule={schedule!r} (its backward runs in two passes); unset activation_checkpointing, or "
+            "use schedule='interleaved_1f1b' (or '1f1b')"
+        )
 
 
 def check_world(world_size: int, data_parallel_size: int) -> None:

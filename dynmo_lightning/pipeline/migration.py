@@ -380,7 +380,7 @@ def pack(
     target = [0] * plan.n_ranks
     for stage, rank in enumerate(keep_ranks):
         target[rank] = layers_per_stage[stage]
-    stats = migrate(slots, optimizers, plan, StagePlan(tuple(target), plan.n_ranks), pipe=pipe)
+    stats = migrate(slots, optimizers, plan, plan.with_layers(target), pipe=pipe)
     if copies:
         stats.add(replicate(slots, optimizers, copies, pipe=pipe, job=job))
     return stats

@@ -185,7 +185,8 @@ class Resizer:
             layout.order, stores, ports, trainer.global_step, on_release, **world
         )
         host.cluster_environment = environment
-        self._adopt(view, layout.renumbered(), stores, ports, StagePlan(tuple(lps), len(keep_ranks)))
+        kept = StagePlan(tuple(lps), len(keep_ranks), host.schedule)
+        self._adopt(view, layout.renumbered(), stores, ports, kept)
         host.partitions.append({"step": trainer.global_step, "layers_per_stage": lps})
         if release_to is not None and event.released_ranks:
             env = release.notify(release_to, event) if host.global_rank == 0 else {}
@@ -225,10 +226,11 @@ class Resizer:
         host.cluster_environment, view = self.elastic.join(plan, stores, **self._world_args())
         if state is not None:
             elastic.restore_trainer_state(host.lightning_module.trainer, state)
-        padded = StagePlan(tuple(plan["padded"]), view.world_size)
+        padded = StagePlan(tuple(plan["padded"]), view.world_size, host.schedule)
         own = self._adopt(view, ReplicaLayout.even(view.world_size, 1), stores, plan["ports"], padded)
         with self.heartbeats.phase(f"growth onto {view.world_size} ranks (layer migration)"):
-            stats = own.stages.migrate(StagePlan(tuple(plan["plan"]), view.world_size), host.optimizers)
+            grown = StagePlan(tuple(plan["plan"]), view.world_size, host.schedule)
+            stats = own.stages.migrate(grown, host.optimizers)
         host.partitions.append({"step": plan["step"], "layers_per_stage": plan["plan"]})
         return stats
 

@@ -20,16 +20,27 @@ micro-batch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _add_send_recv, _ComputationType
 from torch.nn.parallel import DistributedDataParallel
 
+from dynmo_lightning.balance.placement import V_SCHEDULES, stage_ranks
 from dynmo_lightning.pipeline import transport
 from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
 from dynmo_lightning.pipeline.layout import PipelineGroup
@@ -37,24 +48,52 @@ from dynmo_lightning.profiling import LayerProfiler
 from dynmo_lightning.protocol import as_tuple, may_leave_parameters_unused, probing
 from dynmo_lightning.recompute import Policy
 
+#: What ``DynMoStrategy(schedule=...)`` accepts (the keys of :data:`SCHEDULES`).
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
+
 #: Schedule names accepted by :class:`PipelineRuntime` (and ``DynMoStrategy(schedule=...)``).
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
+
+#: Schedules that split each backward into its input part and its weight part (zero-bubble: the weight part fills
+#: the bubbles). Their weight part sets ``.grad`` itself, past DDP's hooks, so they run one replica only.
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
+
+#: Schedules that run several stages per rank (torch's multi-stage schedules).
+MULTI_STAGE = ("interleaved_1f1b", *SPLIT_BACKWARD)
 
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
-    """Contiguous layers per (virtual) stage and the stage-to-rank mapping of a looped pipeline.
+    """Contiguous layers per (virtual) stage and the stage-to-rank mapping of the schedule.
 
-    Stage ``s`` runs on pipeline rank ``s % n_ranks``; with ``len(layers_per_stage) == n_ranks`` that is one stage
-    per rank, with ``k * n_ranks`` stages every rank holds ``k`` interleaved stages.
+    The placement is :func:`~dynmo_lightning.balance.placement.stage_ranks` of ``schedule``: looped schedules run stage
+    ``s`` on rank ``s % n_ranks`` (one stage per rank, or ``k`` interleaved ones with ``k * n_ranks`` stages), the V
+    schedules (``"zbv"``, ``"dualpipev"``) stages ``s`` and ``2 n_ranks - 1 - s`` on rank ``s``.
     """
 
     layers_per_stage: tuple[int, ...]
     n_ranks: int
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        if self.n_stages % self.n_ranks:
+            raise ValueError(f"{self.n_stages} stages do not spread evenly over {self.n_ranks} ranks")
+
+    @functools.cached_property
+    def ranks(self) -> tuple[int, ...]:
+        """The pipeline rank of every stage."""
+        return tuple(stage_ranks(self.schedule, self.n_ranks, self.n_stages // self.n_ranks))
+
+    def with_layers(self, layers_per_stage: Sequence[int]) -> StagePlan:
+        """The same placement with another split."""
+        return dataclasses.replace(self, layers_per_stage=tuple(layers_per_stage))
 
     @property
     def n_stages(self) -> int:
@@ -73,11 +112,11 @@ class StagePlan:
 
     def rank_of_stage(self, stage: int) -> int:
         """Pipeline rank that runs ``stage``."""
-        return stage % self.n_ranks
+        return self.ranks[stage]
 
     def stages_of_rank(self, rank: int) -> list[int]:
         """Stages run by pipeline ``rank``, in order."""
-        return list(range(rank, self.n_stages, self.n_ranks))
+        return [s for s, r in enumerate(self.ranks) if r == rank]
 
     def layers_of_rank(self, rank: int) -> list[int]:
         """Layer indices held by pipeline ``rank``, in order."""
@@ -224,6 +263,8 @@ class PipelineRuntime:
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.has_last_stage else {}
         if train:
             output = schedule.step(*args, return_outputs=False, **kwargs)
+            if not schedule.scale_grads:
+                _divide_grads(self._built[train][1], self.n_microbatches)
         else:
             output = schedule.eval(*args, **kwargs)
         if not self.has_last_stage:
@@ -240,7 +281,8 @@ class PipelineRuntime:
                 self._metas[train] = self._probe(inputs, train)
             metas = self._metas[train]
             stages = [
-                PipelineStage(
+                _Stage(
+                    self.profiler,
                     self._wrap(module) if train else module,
                     stage,
                     self.plan.n_stages,
@@ -256,8 +298,14 @@ class PipelineRuntime:
         if train:
             self._wrapped_for = self._wrap_key()
         cls = SCHEDULES[self.schedule_name]
-        if cls is ScheduleInterleaved1F1B:
-            schedule = cls(stages, self.n_microbatches, loss_fn=self.loss_fn, scale_grads=True)
+        if issubclass(cls, PipelineScheduleMulti):
+            # torch divides each stage's gradients by the micro-batches when that stage's backwards are done: a
+            # parameter two local stages share (a tie of the first and last stage under the V) would be divided
+            # twice, once between the two stages' contributions. Such gradients are divided once, in `step`.
+            scale = not _shares_parameters(stages)
+            schedule = cls(stages, self.n_microbatches, loss_fn=self.loss_fn, scale_grads=scale)
+            if not train and self.schedule_name in V_SCHEDULES:
+                _forward_only(schedule)
         else:
             schedule = cls(stages[0], self.n_microbatches, loss_fn=self.loss_fn, scale_grads=True)
         return schedule, stages
@@ -342,6 +390,77 @@ class PipelineRuntime:
         return self.pipe.global_rank(self.plan.rank_of_stage(stage))
 
 
+def _unique_parameters(stages: Sequence[PipelineStage]) -> dict[int, nn.Parameter]:
+    return {id(p): p for stage in stages for p in stage.submod.parameters()}
+
+
+def _shares_parameters(stages: Sequence[PipelineStage]) -> bool:
+    """Whether two of the local stages hold the same parameter (a tie kept as one tensor on this rank)."""
+    return len(_unique_parameters(stages)) < sum(len(list(stage.submod.parameters())) for stage in stages)
+
+
+def _divide_grads(stages: Sequence[PipelineStage], n_microbatches: int) -> None:
+    """Mean over micro-batches of the summed gradients, once per parameter however many stages share it."""
+    for p in _unique_parameters(stages).values():
+        if p.grad is not None:
+            p.grad.div_(n_microbatches)
+
+
+def _forward_only(schedule: Any) -> None:
+    """Keep only the forward actions of a V schedule's task order (for evaluation, which runs no backward).
+
+    torch's ``eval`` runs the training order with the backward switched off, and its V schedules then fail where
+    two adjacent stages share a rank ("can't steal_bwd_input if this stage doesn't have backward"). The forwards of
+    a deadlock-free order, in that order, are deadlock-free too: each waits only on the forward before it.
+    """
+    order: dict[int, list[Any]] = {}
+    for rank, actions in schedule.pipeline_order.items():
+        subs = [sub for a in actions if a is not None for sub in (a.sub_actions or (a,))]
+        order[rank] = [a for a in subs if a.computation_type == _ComputationType.FORWARD]
+    # torch's own lowering to send/receive actions (its `_prepare_schedule_with_comms` would insist on backwards).
+    ranks = schedule.stage_index_to_group_rank
+    schedule.pipeline_order_with_comms = _add_send_recv(order, lambda s: ranks[s], schedule._num_stages)
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose split backward is exact on any stage and whose weight pass the profiler times.
+
+    torch's input pass (``stage_backward_input``) finds the weights' part of the graph from the stage inputs'
+    gradients; a later stage whose inputs carry none (the output of a frozen prefix) would get no weight gradients
+    at all. torch runs its first stage's backward whole in the weight pass for that reason; here such a stage runs it
+    whole at once (same gradients, no bubble filled) and its weight pass is empty.
+
+    Args:
+        profiler: the runtime's profiler.
+        *args: ``PipelineStage``'s arguments.
+        **kwargs: ``PipelineStage``'s keyword arguments.
+    """
+
+    def __init__(self, profiler: LayerProfiler, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._profiler = profiler
+        self._done_whole: set[int] = set()
+
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> None:
+        """Backward of micro-batch ``bwd_chunk_id``: its input part only, unless the inputs carry no gradient."""
+        if not full_backward and not self.is_first and bwd_chunk_id in self.fwd_cache:
+            inputs = self.fwd_cache[bwd_chunk_id][1]
+            if not any(isinstance(t, Tensor) and t.requires_grad for t in inputs):
+                full_backward = True
+                self._done_whole.add(bwd_chunk_id)
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        """The weight part of a split backward of micro-batch ``bwd_chunk_id``, timed when profiling."""
+        if bwd_chunk_id in self._done_whole:
+            self._done_whole.discard(bwd_chunk_id)
+            return
+        with self._profiler.weight_pass():
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+
 def _meta(t: Tensor) -> Tensor:
     """A meta-device stand-in with the shape, dtype and ``requires_grad`` of ``t`` (what PipelineStage records)."""
     return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
@@ -353,30 +472,53 @@ def check_schedule(schedule: str, n_ranks: int, n_stages: int, n_microbatches: i
         raise ValueError(f"strategy.schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
     if n_microbatches < 1:
         raise ValueError(f"strategy.n_microbatches={n_microbatches} must be >= 1")
-    if schedule == "interleaved_1f1b":
-        if n_ranks < 2:
-            # torch's runtime cannot evaluate (forward only) adjacent stages that share a rank.
-            raise ValueError("strategy.schedule='interleaved_1f1b' needs at least 2 processes; use '1f1b' on one")
-        if n_stages == n_ranks:
-            raise ValueError(
-                "strategy.schedule='interleaved_1f1b' needs several stages per rank: set "
-                "strategy.stages_per_rank >= 2 (or use schedule='1f1b')"
-            )
-        rounds = max(1, n_microbatches // n_ranks)
-        if n_microbatches % rounds:
-            raise ValueError(
-                f"strategy.n_microbatches={n_microbatches} does not work with interleaved 1F1B on {n_ranks} ranks: "
-                f"it must be a multiple of n_microbatches // ranks = {rounds}; use a multiple of {n_ranks}"
-            )
+    if schedule in ("interleaved_1f1b", "interleaved_zb"):
+        _check_interleaved(schedule, n_ranks, n_stages, n_microbatches)
+    elif schedule in V_SCHEDULES:
+        _check_v(schedule, n_ranks, n_stages, n_microbatches)
     elif n_stages != n_ranks:
         raise ValueError(
-            f"strategy.schedule={schedule!r} runs one stage per rank; stages_per_rank > 1 needs "
-            "schedule='interleaved_1f1b'"
+            f"strategy.schedule={schedule!r} runs one stage per rank; stages_per_rank > 1 needs one of "
+            f"{list(MULTI_STAGE)}"
         )
     if schedule == "1f1b" and n_microbatches < n_ranks:
         raise ValueError(
             f"strategy.n_microbatches={n_microbatches} < {n_ranks} pipeline ranks: 1F1B needs at least one "
             "micro-batch per stage; raise n_microbatches or use schedule='gpipe'"
+        )
+
+
+def _check_interleaved(schedule: str, n_ranks: int, n_stages: int, n_microbatches: int) -> None:
+    """The sizes torch's looped multi-stage schedules accept (interleaved 1F1B and interleaved zero-bubble)."""
+    if n_ranks < 2:
+        # torch's runtime cannot evaluate (forward only) adjacent stages that share a rank.
+        raise ValueError(f"strategy.schedule={schedule!r} needs at least 2 processes; use '1f1b' on one")
+    if n_stages == n_ranks:
+        raise ValueError(
+            f"strategy.schedule={schedule!r} needs several stages per rank: set "
+            "strategy.stages_per_rank >= 2 (or use schedule='1f1b')"
+        )
+    rounds = max(1, n_microbatches // n_ranks)
+    if n_microbatches % rounds:
+        raise ValueError(
+            f"strategy.n_microbatches={n_microbatches} does not work with strategy.schedule={schedule!r} on "
+            f"{n_ranks} ranks: it must be a multiple of n_microbatches // ranks = {rounds}; use a multiple of {n_ranks}"
+        )
+
+
+def _check_v(schedule: str, n_ranks: int, n_stages: int, n_microbatches: int) -> None:
+    """The sizes torch's V-shaped schedules accept (ZBV zero-bubble and DualPipeV): two stages per rank."""
+    if n_ranks < 2:
+        raise ValueError(f"strategy.schedule={schedule!r} needs at least 2 processes; use '1f1b' on one")
+    if n_stages != 2 * n_ranks:
+        raise ValueError(
+            f"strategy.schedule={schedule!r} places exactly two stages on every rank in a V (stages s and "
+            f"2P-1-s on rank s): set strategy.stages_per_rank=2, got {n_stages // n_ranks}"
+        )
+    if schedule == "dualpipev" and n_microbatches < n_stages:
+        raise ValueError(
+            f"strategy.n_microbatches={n_microbatches} < {n_stages} stages: DualPipeV needs at least one "
+            f"micro-batch per stage; set strategy.n_microbatches >= {n_stages} (2 x processes)"
         )
 
 

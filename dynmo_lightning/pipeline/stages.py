@@ -104,7 +104,7 @@ class LocalStages:
         kwargs = {"pp_size": pipe.size, "stages_per_rank": stages_per_rank, "n_microbatches": n_microbatches}
         lps = initial_partition(partition, count_params(layers), schedule=schedule, **kwargs)
         seed = int(getattr(module, "pipeline_init_seed", 0))
-        plan = StagePlan(tuple(lps), pipe.size)
+        plan = StagePlan(tuple(lps), pipe.size, schedule)
         return cls(
             module,
             layers,

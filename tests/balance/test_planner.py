@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from support.brute import blocks, compositions
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.brute import blocks, compositions
 
 from dynmo_lightning.balance import partition
 from dynmo_lightning.balance.planner import TOLERANCE, StepModel, makespan_split

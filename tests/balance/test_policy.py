@@ -202,6 +202,8 @@ def test_migration_must_pay_for_itself():
 def test_shared_measures():
     assert imbalance([1.0, 3.0]) == 1.5 and imbalance([0.0, 0.0]) == 1.0
     assert layer_owners([2, 1, 1, 2], 2) == [0, 0, 1, 0, 1, 1]
+    assert layer_owners([2, 1, 1, 2], 2, "zbv") == [0, 0, 1, 1, 0, 0]  # the V: stages 0 and 3 on rank 0
+    assert bytes_moved([2, 1, 1, 2], [1, 2, 2, 1], [1.0] * 6, 2, "zbv") == 2.0  # layers 1 and 4 change rank
     assert bytes_moved([2, 2], [1, 3], [1.0, 2.0, 4.0, 8.0]) == 2.0
 
 

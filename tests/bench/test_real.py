@@ -58,3 +58,16 @@ def test_summary_pairs_repeats_and_finds_the_lag():
     results["freezing-optimal-1"]["moves"] = [28]
     rows = {r["policy"]: r for r in summarize(cases, results, LINK)}
     assert rows["optimal"]["reaction_lag_steps"] == lag | {"answered": 3}
+
+
+def test_zero_bubble_cases_get_no_ideal_from_the_1f1b_simulator():
+    cases, results = [], {}
+    for policy, speed in (("uniform", 100.0), ("optimal", 120.0)):
+        name = f"freezing-{policy}-0"
+        cases.append({"name": name, "dynamic": "freezing", "policy": policy, "repeat": 0, "world_size": 2,
+                      "microbatches": 4, "schedule": "zbv", "stages_per_rank": 2})  # fmt: skip
+        results[name] = {"tokens_per_s": speed, "val_loss": 2.0, "partitions": [], "events": [], "moves": [],
+                         "window_costs": {"fwd": [1.0] * 6, "bwd": [2.0] * 6}}  # fmt: skip
+    rows = {r["policy"]: r for r in summarize(cases, results, LINK)}
+    assert rows["optimal"]["ratio"] == pytest.approx(1.2)
+    assert rows["optimal"]["ideal_ratio"] is None and rows["optimal"]["share_of_ideal"] is None

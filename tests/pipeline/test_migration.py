@@ -23,6 +23,21 @@ def test_plan_moves_in_global_order():
     assert plan_moves(old, old) == []
 
 
+def test_v_placement_of_plans_and_moves():
+    plan = StagePlan((2, 1, 1, 2), 2, "zbv")  # stages 0 and 3 on rank 0, 1 and 2 on rank 1
+    assert [plan.rank_of_stage(s) for s in range(4)] == [0, 1, 1, 0]
+    assert plan.stages_of_rank(0) == [0, 3] and plan.stages_of_rank(1) == [1, 2]
+    assert plan.layers_of_rank(0) == [0, 1, 4, 5] and plan.rank_of_layer(5) == 0
+    new = plan.with_layers((1, 2, 2, 1))
+    assert new.schedule == "zbv" and new.rank_of_layer(4) == 1
+    assert plan_moves(plan, new) == [Move(0, 1, (1, 4))]
+    looped = StagePlan((2, 1, 1, 2), 2, "interleaved_zb")
+    assert [looped.rank_of_stage(s) for s in range(4)] == [0, 1, 0, 1]
+    assert plan != StagePlan((2, 1, 1, 2), 2, "1f1b")  # the placement is part of the plan
+    with pytest.raises(ValueError, match="do not spread evenly"):
+        StagePlan((1, 1, 1), 2)
+
+
 @pytest.mark.slow
 def test_layers_move_with_attributes_buffers_flags_and_optimizer_state(tmp_path: Path):
     out = tmp_path / "result"
