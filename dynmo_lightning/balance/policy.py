@@ -421,7 +421,7 @@ class BalancePolicy:
             n_microbatches=pipe.n_microbatches,
             schedule=pipe.schedule,
             p2p=self.p2p,
-            wgt=v.get("wgt"),
+            wgt=v.get("bwd_weight"),
             tolerance=self.repack_tolerance,
             min_stages=self.min_stages,
             layer_bytes=self.layer_bytes(),
@@ -455,17 +455,17 @@ class BalancePolicy:
     def step_model(self, pipe: PipelineShape) -> StepModel:
         """The makespan model of the tracked costs under ``pipe``'s schedule, micro-batches and placement.
 
-        The weight-gradient part of each layer's backward (zero-bubble ``W`` tasks) is the tracker's ``"wgt"`` field
-        where the profiler records one, else 0 (the whole backward runs as the input part).
+        The weight-gradient part of each layer's backward (zero-bubble ``W`` tasks) is the tracker's ``"bwd_weight"``
+        field: the profiler's split of the backward under a zero-bubble schedule, 0 elsewhere (all of it is input).
         """
         assert self.tracker is not None
         v = self.tracker.values
         key = (pipe.n_microbatches, pipe.schedule, pipe.stages_per_rank, self.p2p)
-        costs = (list(v["fwd"]), list(v["bwd"]), list(v.get("wgt") or []))
+        costs = (list(v["fwd"]), list(v["bwd"]), list(v.get("bwd_weight") or []))
         if self._model is None or self._model[0] != key or self._model[2] != costs:
             model = StepModel(
                 v["fwd"], v["bwd"], pipe.n_microbatches, pipe.schedule, self.p2p,
-                wgt=v.get("wgt"), stages_per_rank=pipe.stages_per_rank,
+                wgt=v.get("bwd_weight"), stages_per_rank=pipe.stages_per_rank,
             )  # fmt: skip
             self._model = (key, model, costs)
         return self._model[1]

@@ -24,7 +24,8 @@ class CostTracker:
         window: measurements per layer the median is taken over (1: no median).
     """
 
-    FIELDS = ("fwd", "bwd", "activation_bytes", "param_bytes", "grad_bytes", "optim_bytes")
+    #: ``bwd_weight``: the weight part of ``bwd`` (zero-bubble ``W`` tasks; 0 where the schedule runs it whole).
+    FIELDS = ("fwd", "bwd", "bwd_weight", "activation_bytes", "param_bytes", "grad_bytes", "optim_bytes")
 
     def __init__(self, n_layers: int, smoothing: float = 0.5, window: int = 5) -> None:
         if not 0.0 < smoothing <= 1.0:

@@ -54,9 +54,9 @@ def oracle(
     total, splits = 0.0, []
     planned: dict[tuple[float, ...], tuple[float, list[int]]] = {}
     for entry in trace:
-        key = (*entry["fwd"], *entry["bwd"], *entry.get("wgt", ()))
+        key = (*entry["fwd"], *entry["bwd"], *entry.get("bwd_weight", ()))
         if key not in planned:
-            model = StepModel(entry["fwd"], entry["bwd"], n_microbatches, schedule, p2p, wgt=entry.get("wgt"))
+            model = StepModel(entry["fwd"], entry["bwd"], n_microbatches, schedule, p2p, wgt=entry.get("bwd_weight"))
             found = makespan_split(model, n_stages, start=splits[-1][1] if splits else None)
             assert found is not None  # no memory caps: every split fits
             planned[key] = found

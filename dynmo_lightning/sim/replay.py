@@ -143,10 +143,10 @@ def simulate_run(
     for k, entry in enumerate(steps):
         if balancer is not None:
             _balance(balancer, k, entry, run, n_microbatches, schedule, n_stages if regrow else 0)
-        key = (*run.current, *entry["fwd"], *entry["bwd"], *entry.get("wgt", ()))
+        key = (*run.current, *entry["fwd"], *entry["bwd"], *entry.get("bwd_weight", ()))
         if key not in simulated:
             simulated[key] = simulate_layers(
-                entry["fwd"], entry["bwd"], run.current, n_microbatches, schedule, p2p, layer_wgt=entry.get("wgt")
+                entry["fwd"], entry["bwd"], run.current, n_microbatches, schedule, p2p, layer_wgt=entry.get("bwd_weight")
             ).step_time
         step_time = simulated[key]
         loads = balance.stage_loads([f + b for f, b in zip(entry["fwd"], entry["bwd"], strict=True)], run.current)

@@ -74,3 +74,22 @@ def test_replayed_decisions_pay_by_the_makespan_and_match_the_simulator(dynamic,
             if predicted:
                 simulated = simulate_layers(tracked["fwd"], tracked["bwd"], split, pipe.n_microbatches, "1f1b", p2p)
                 assert predicted == pytest.approx(simulated.step_time, rel=0.01), (k, d.action, split)
+
+
+def test_the_profiled_weight_part_reaches_the_zero_bubble_step_model():
+    # Under ZBV the weight part of a layer's backward runs as its own W task; the policy's makespan must see what the
+    # profiler measured (``bwd_weight``), not a backward that runs whole in the input slot.
+    fwd = [1.0, 1.0, 1.0, 3.0]
+    bwd = [2 * f for f in fwd]
+    profile = {
+        i: {"fwd": f, "bwd": b, "bwd_weight": b / 2, "param_bytes": 1.0} for i, (f, b) in enumerate(zip(fwd, bwd))
+    }
+    policy = BalancePolicy("optimal", every_n_steps=50, bandwidth=1e12)
+    policy.start(4)
+    policy.observe(profile)
+    pipe = PipelineShape([1, 1, 1, 1], 2, 4, "zbv")
+    split = [1, 1, 1, 1]
+    with_w = makespan(*stage_times(fwd, bwd, split), 4, "zbv", stage_wgt=[b / 2 for b in bwd], stages_per_rank=2)
+    whole = makespan(*stage_times(fwd, bwd, split), 4, "zbv", stages_per_rank=2)
+    assert with_w != whole  # the split matters to the schedule
+    assert policy.step_model(pipe)(split) == pytest.approx(with_w)
