@@ -146,7 +146,13 @@ def simulate_run(
         key = (*run.current, *entry["fwd"], *entry["bwd"], *entry.get("bwd_weight", ()))
         if key not in simulated:
             simulated[key] = simulate_layers(
-                entry["fwd"], entry["bwd"], run.current, n_microbatches, schedule, p2p, layer_wgt=entry.get("bwd_weight")
+                entry["fwd"],
+                entry["bwd"],
+                run.current,
+                n_microbatches,
+                schedule,
+                p2p,
+                layer_wgt=entry.get("bwd_weight"),
             ).step_time
         step_time = simulated[key]
         loads = balance.stage_loads([f + b for f, b in zip(entry["fwd"], entry["bwd"], strict=True)], run.current)
