@@ -82,7 +82,8 @@ def test_the_profiled_weight_part_reaches_the_zero_bubble_step_model():
     fwd = [1.0, 1.0, 1.0, 3.0]
     bwd = [2 * f for f in fwd]
     profile = {
-        i: {"fwd": f, "bwd": b, "bwd_weight": b / 2, "param_bytes": 1.0} for i, (f, b) in enumerate(zip(fwd, bwd))
+        i: {"fwd": f, "bwd": b, "bwd_weight": b / 2, "param_bytes": 1.0}
+        for i, (f, b) in enumerate(zip(fwd, bwd, strict=True))
     }
     policy = BalancePolicy("optimal", every_n_steps=50, bandwidth=1e12)
     policy.start(4)
