@@ -22,8 +22,12 @@ train: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dynmo_lightning tests examples
 
+# Two pytest workers (one per core of a small CI machine); a test file stays on one worker, so the processes a module
+# launches once for all its tests are launched once. JOBS=0 runs in one process.
+JOBS ?= 2
+
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q $(ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n $(JOBS) --dist loadfile $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -145,42 +145,53 @@ def _launch(world_size: int, cases: list[dict[str, Any]], out: Path, timeout: fl
 
 
 def simulate(cfg: DictConfig, out: Path) -> None:
-    """Part 4: realistic traces of the presets, replayed at scale; bandwidth and strength sweeps."""
-    tables = {
-        "short": layer_costs.CostTable(read_json(out / "layer_costs.json")),
-        "long": layer_costs.CostTable(read_json(out / "layer_costs_long.json")),
-    }
+    """Part 4: realistic traces of the presets, replayed at scale; bandwidth and strength sweeps.
+
+    Each dynamic is replayed in a process of its own, ``scale.parallel`` at once (the replays are independent).
+    """
     net = network(cfg, out)
     result: dict[str, Any] = {"network": net.__dict__, "stages": list(cfg.scale.stages), "dynamics": {}}
-    none = read_json(_timeline_path(out, "none", None))
-    progress = Progress(len(cfg.dynamics) + 1, "scale")
-    for dynamic in ["none", *cfg.dynamics]:
-        preset = timeline.PRESETS.get(dynamic)
-        table = tables["long" if dynamic == "sparse_attention" else "short"]
-        strength = preset.preset if preset else None
-        preset_timeline = read_json(_timeline_path(out, dynamic, strength))
-        trace = timeline.realistic_trace(preset_timeline, table)
-        save_trace(trace, out / "traces" / f"{dynamic}.jsonl.gz")
-        val = preset_timeline["val_loss"]
-        entry: dict[str, Any] = {"strength": strength, "val_loss": val, "val_loss_none": none["val_loss"]}
-        kw = {"microbatches_per_stage": cfg.scale.microbatches_per_stage, "every_n_steps": cfg.scale.every_n_steps}
-        entry["by_stages"] = {str(p): scale.compare(trace, p, net, **kw) for p in cfg.scale.stages}
-        p, two = cfg.scale.sweep_stages, ("uniform", "optimal")
-        entry["bandwidth_sweep"] = [
-            {"bytes_per_s": bw, **_headline(scale.compare(trace, p, _with_bandwidth(net, bw), policies=two, **kw))}
-            for bw in cfg.scale.bandwidths
-        ]
-        if preset is not None:
-            entry["strength_sweep"] = []
-            for s in preset.sweep:
-                tl = preset_timeline if s == strength else read_json(_timeline_path(out, dynamic, s))
-                sweep_trace = trace if s == strength else timeline.realistic_trace(tl, table)
-                cmp = scale.compare(sweep_trace, p, net, policies=two, **kw)
-                entry["strength_sweep"].append({"strength": s, "val_loss": tl["val_loss"], **_headline(cmp)})
-            entry["seed_reached"] = scale.seed_reached(entry["strength_sweep"], SEED[dynamic])
-        result["dynamics"][dynamic] = entry
-        progress.step(dynamic)
+    dynamics = ["none", *cfg.dynamics]
+    progress = Progress(len(dynamics), "scale")
+    container = OmegaConf.to_container(cfg, resolve=True)
+    with ProcessPoolExecutor(max(1, int(cfg.scale.get("parallel", 1)))) as pool:
+        futures = {d: pool.submit(_simulate_dynamic, container, str(out), d) for d in dynamics}
+        for dynamic in dynamics:
+            result["dynamics"][dynamic] = futures[dynamic].result()
+            progress.step(dynamic)
     write_json(out / "simulated.json", result)
+
+
+def _simulate_dynamic(container: dict[str, Any], out_dir: str, dynamic: str) -> dict[str, Any]:
+    """One dynamic's replays: the preset at every stage count, the bandwidth sweep and the strength sweep."""
+    cfg, out = OmegaConf.create(container), Path(out_dir)
+    preset = timeline.PRESETS.get(dynamic)
+    name = "layer_costs_long.json" if dynamic == "sparse_attention" else "layer_costs.json"
+    table = layer_costs.CostTable(read_json(out / name))
+    net = network(cfg, out)
+    none = read_json(_timeline_path(out, "none", None))
+    strength = preset.preset if preset else None
+    preset_timeline = read_json(_timeline_path(out, dynamic, strength))
+    trace = timeline.realistic_trace(preset_timeline, table)
+    save_trace(trace, out / "traces" / f"{dynamic}.jsonl.gz")
+    val = preset_timeline["val_loss"]
+    entry: dict[str, Any] = {"strength": strength, "val_loss": val, "val_loss_none": none["val_loss"]}
+    kw = {"microbatches_per_stage": cfg.scale.microbatches_per_stage, "every_n_steps": cfg.scale.every_n_steps}
+    entry["by_stages"] = {str(p): scale.compare(trace, p, net, **kw) for p in cfg.scale.stages}
+    p, two = cfg.scale.sweep_stages, ("uniform", "optimal")
+    entry["bandwidth_sweep"] = [
+        {"bytes_per_s": bw, **_headline(scale.compare(trace, p, _with_bandwidth(net, bw), policies=two, **kw))}
+        for bw in cfg.scale.bandwidths
+    ]
+    if preset is not None:
+        entry["strength_sweep"] = []
+        for s in preset.sweep:
+            tl = preset_timeline if s == strength else read_json(_timeline_path(out, dynamic, s))
+            sweep_trace = trace if s == strength else timeline.realistic_trace(tl, table)
+            cmp = scale.compare(sweep_trace, p, net, policies=two, **kw)
+            entry["strength_sweep"].append({"strength": s, "val_loss": tl["val_loss"], **_headline(cmp)})
+        entry["seed_reached"] = scale.seed_reached(entry["strength_sweep"], SEED[dynamic])
+    return entry
 
 
 def _headline(cmp: dict[str, Any]) -> dict[str, float]:
