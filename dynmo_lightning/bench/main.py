@@ -152,6 +152,10 @@ def simulate(cfg: DictConfig, out: Path) -> None:
     net = network(cfg, out)
     result: dict[str, Any] = {"network": net.__dict__, "stages": list(cfg.scale.stages), "dynamics": {}}
     dynamics = ["none", *cfg.dynamics]
+    wanted = [("none", None)] + [(d, s) for d in cfg.dynamics for s in timeline.PRESETS[d].sweep]
+    missing = [str(_timeline_path(out, d, s)) for d, s in wanted if not _timeline_path(out, d, s).exists()]
+    if missing:  # before minutes of replays, not after
+        raise FileNotFoundError(f"the scale part replays timelines that are not there (run part timelines): {missing}")
     progress = Progress(len(dynamics), "scale")
     container = OmegaConf.to_container(cfg, resolve=True)
     with ProcessPoolExecutor(max(1, int(cfg.scale.get("parallel", 1)))) as pool:

@@ -108,7 +108,7 @@ PRESETS: dict[str, Preset] = {
         "Zhu & Gupta, global structured", "final sparsity", 0.8, (0.3, 0.5, 0.7, 0.8, 0.9, 0.95), _pruning
     ),
     "early_exit": Preset(
-        "saturation exits (cos 0.9)", "minimum depth share", 0.25, (0.75, 0.5, 0.25, 0.125, 0.0625, 0.0), _early_exit
+        "saturation exits (cos 0.9)", "minimum depth share", 0.25, (0.75, 0.5, 0.25, 0.125, 0.0), _early_exit
     ),
     "mod": Preset("Mixture of Depths, every other block", "capacity", 0.125, (0.5, 0.25, 0.125, 0.0625, 0.03125), _mod),
     "moe": Preset("Switch, 8 experts every other block", "capacity factor", 1.25, (2.0, 1.25, 1.0, 0.75, 0.5), _moe),
