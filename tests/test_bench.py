@@ -41,7 +41,7 @@ def test_bench_tiny_grid(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Progress: which case, how far, the time left.
     assert "[dynmo-bench] real 4/4 freezing-optimal-1" in proc.stdout
-    assert "[dynmo-bench] timeline 5/5" in proc.stdout  # none + the four strengths of the freezing sweep
+    assert "[dynmo-bench] timeline 6/6" in proc.stdout  # none + the five strengths of the freezing sweep
 
     costs = json.loads((tmp_path / "layer_costs.json").read_text())
     assert costs["block"]["frozen"]["bwd"] == 0.0 < costs["block"]["trainable"]["bwd"]

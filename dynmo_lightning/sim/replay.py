@@ -145,14 +145,9 @@ def simulate_run(
             _balance(balancer, k, entry, run, n_microbatches, schedule, n_stages if regrow else 0)
         key = (*run.current, *entry["fwd"], *entry["bwd"], *entry.get("bwd_weight", ()))
         if key not in simulated:
+            fwd, bwd, wgt = entry["fwd"], entry["bwd"], entry.get("bwd_weight")
             simulated[key] = simulate_layers(
-                entry["fwd"],
-                entry["bwd"],
-                run.current,
-                n_microbatches,
-                schedule,
-                p2p,
-                layer_wgt=entry.get("bwd_weight"),
+                fwd, bwd, run.current, n_microbatches, schedule, p2p, layer_wgt=wgt
             ).step_time
         step_time = simulated[key]
         loads = balance.stage_loads([f + b for f, b in zip(entry["fwd"], entry["bwd"], strict=True)], run.current)
