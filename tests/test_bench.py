@@ -57,7 +57,7 @@ def test_bench_tiny_grid(tmp_path):
     assert set(sim["dynamics"]) == {"none", "freezing"} and sim["network"]["migration_bandwidth"] > 0
     freezing = sim["dynamics"]["freezing"]
     assert set(freezing["by_stages"]) == {"2", "4"}
-    assert [p["strength"] for p in freezing["strength_sweep"]] == [40.0, 60.0, 80.0, 95.0]
+    assert [p["strength"] for p in freezing["strength_sweep"]] == [40.0, 60.0, 80.0, 95.0, 99.0]
     for cmp in freezing["by_stages"].values():
         assert cmp["policies"]["uniform"]["speedup"] == 1.0
         # The oracle re-splits optimally at every step for free: no policy beats it.
