@@ -71,10 +71,14 @@ def _timeline_path(out: Path, dynamic: str, strength: float | None) -> Path:
     return out / "timelines" / f"{dynamic}-{strength if strength is not None else 'none'}.json.gz"
 
 
+def _timeline_runs(cfg: DictConfig) -> list[tuple[str, float | None]]:
+    """The runs part 2 records and part 4 replays: no dynamic, and every dynamic at every strength of its sweep."""
+    return [("none", None)] + [(d, s) for d in cfg.dynamics for s in timeline.PRESETS[d].sweep]
+
+
 def record_timelines(cfg: DictConfig, out: Path) -> None:
     """Part 2: every dynamic at every strength of its sweep, and the run without dynamics (separate processes)."""
-    jobs = [("none", None)] + [(d, s) for d in cfg.dynamics for s in timeline.PRESETS[d].sweep]
-    jobs = [(d, s) for d, s in jobs if not (cfg.resume and _timeline_path(out, d, s).exists())]
+    jobs = [(d, s) for d, s in _timeline_runs(cfg) if not (cfg.resume and _timeline_path(out, d, s).exists())]
     progress = Progress(len(jobs), "timeline")
     config = json.dumps(OmegaConf.to_container(cfg.timeline.model))
 
@@ -152,34 +156,34 @@ def simulate(cfg: DictConfig, out: Path) -> None:
     net = network(cfg, out)
     result: dict[str, Any] = {"network": net.__dict__, "stages": list(cfg.scale.stages), "dynamics": {}}
     dynamics = ["none", *cfg.dynamics]
-    wanted = [("none", None)] + [(d, s) for d in cfg.dynamics for s in timeline.PRESETS[d].sweep]
-    missing = [str(_timeline_path(out, d, s)) for d, s in wanted if not _timeline_path(out, d, s).exists()]
+    missing = [str(_timeline_path(out, d, s)) for d, s in _timeline_runs(cfg) if not _timeline_path(out, d, s).exists()]
     if missing:  # before minutes of replays, not after
         raise FileNotFoundError(f"the scale part replays timelines that are not there (run part timelines): {missing}")
     progress = Progress(len(dynamics), "scale")
     container = OmegaConf.to_container(cfg, resolve=True)
+    val_none = read_json(_timeline_path(out, "none", None))["val_loss"]
     with ProcessPoolExecutor(max(1, int(cfg.scale.get("parallel", 1)))) as pool:
-        futures = {d: pool.submit(_simulate_dynamic, container, str(out), d) for d in dynamics}
+        futures = {d: pool.submit(_simulate_dynamic, container, str(out), d, net, val_none) for d in dynamics}
         for dynamic in dynamics:
             result["dynamics"][dynamic] = futures[dynamic].result()
             progress.step(dynamic)
     write_json(out / "simulated.json", result)
 
 
-def _simulate_dynamic(container: dict[str, Any], out_dir: str, dynamic: str) -> dict[str, Any]:
+def _simulate_dynamic(
+    container: dict[str, Any], out_dir: str, dynamic: str, net: scale.Network, val_none: float
+) -> dict[str, Any]:
     """One dynamic's replays: the preset at every stage count, the bandwidth sweep and the strength sweep."""
     cfg, out = OmegaConf.create(container), Path(out_dir)
     preset = timeline.PRESETS.get(dynamic)
     name = "layer_costs_long.json" if dynamic == "sparse_attention" else "layer_costs.json"
     table = layer_costs.CostTable(read_json(out / name))
-    net = network(cfg, out)
-    none = read_json(_timeline_path(out, "none", None))
     strength = preset.preset if preset else None
     preset_timeline = read_json(_timeline_path(out, dynamic, strength))
     trace = timeline.realistic_trace(preset_timeline, table)
     save_trace(trace, out / "traces" / f"{dynamic}.jsonl.gz")
     val = preset_timeline["val_loss"]
-    entry: dict[str, Any] = {"strength": strength, "val_loss": val, "val_loss_none": none["val_loss"]}
+    entry: dict[str, Any] = {"strength": strength, "val_loss": val, "val_loss_none": val_none}
     kw = {"microbatches_per_stage": cfg.scale.microbatches_per_stage, "every_n_steps": cfg.scale.every_n_steps}
     entry["by_stages"] = {str(p): scale.compare(trace, p, net, **kw) for p in cfg.scale.stages}
     p, two = cfg.scale.sweep_stages, ("uniform", "optimal")
