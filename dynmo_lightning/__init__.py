@@ -5,12 +5,13 @@ Importing the package registers the strategy name ``"dynmo"``, so ``Trainer(stra
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from dynmo_lightning.callbacks import DynMoBalancer
+from dynmo_lightning.callbacks import BalancerSettings, DynMoBalancer
+from dynmo_lightning.pipeline.settings import StrategySettings
 from dynmo_lightning.protocol import PipelineModule
 from dynmo_lightning.strategy import DynMoStrategy
 
 if DynMoStrategy.strategy_name not in StrategyRegistry:
     DynMoStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["DynMoBalancer", "DynMoStrategy", "PipelineModule"]
+__all__ = ["BalancerSettings", "DynMoBalancer", "DynMoStrategy", "PipelineModule", "StrategySettings"]
 __version__ = "0.1.0"

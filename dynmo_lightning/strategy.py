@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -47,11 +46,13 @@ from dynmo_lightning.pipeline.neighbours import NeighbourStats, run_stage
 from dynmo_lightning.pipeline.precision import PipelinePrecision
 from dynmo_lightning.pipeline.reduce import GlobalNormClipping, replicas_in_sync
 from dynmo_lightning.pipeline.resize import ResizeInternals, Resizer
-from dynmo_lightning.pipeline.runtime import ScheduleName, StagePlan, first_dim
+from dynmo_lightning.pipeline.runtime import StagePlan, first_dim
+from dynmo_lightning.pipeline.settings import StrategySettings
 from dynmo_lightning.pipeline.stages import LocalStages
 from dynmo_lightning.profiling import DeviceClock
 from dynmo_lightning.protocol import split_batch
-from dynmo_lightning.recompute import Policy, checkpoint_policy
+from dynmo_lightning.recompute import checkpoint_policy
+from dynmo_lightning.settings import resolve, with_settings_signature
 
 
 class DynMoStrategy(ParallelStrategy):
@@ -64,65 +65,37 @@ class DynMoStrategy(ParallelStrategy):
     data is sharded over replicas, gradients averaged over them, balancing decided once and applied in every replica.
     The strategy implements :class:`~dynmo_lightning.protocol.PipelineControl`, the contract callbacks use.
 
-    Args:
-        n_microbatches: micro-batches per batch; the batch size must be a multiple of it.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zb"``, ``"zbv"``, ``"dualpipev"``.
-        partition: initial layers per stage: ``"uniform"`` (by layer count), ``"params"`` (balance parameter counts,
-            as DeepSpeed does), or an explicit list such as ``[3, 5]``.
-        stages_per_rank: stages per process: >= 2 for the interleaved schedules, 2 for ``"zbv"``/``"dualpipev"``.
-        data_parallel_size: replicas of the pipeline; the number of processes must be a multiple of it. The
-            dataloader's batch size is per replica, as with DDP.
-        timeout: timeout of every collective and point-to-point operation.
-        heartbeat_timeout: seconds of silence after which a process counts as lost; the others then stop with an
-            error naming it and what the job was doing (instead of waiting for ``timeout``).
-        process_group_backend: ``"gloo"``/``"nccl"``; by default chosen from the device.
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer (torchrun, SLURM, Lightning's own launcher, ...).
-        checkpoint_format: ``"sharded"`` (a directory: every stage writes its own layers with
-            ``torch.distributed.checkpoint``, any width reads them), ``"single"`` (one file gathered on rank 0) or
-            ``"auto"`` (sharded when the pipeline has more than one stage). Both formats load either way.
-        activation_checkpointing: recompute layers' activations in backward instead of keeping them: ``None`` (off),
-            ``"all"``, ``k`` (every k-th layer) or ``(index, layer) -> bool`` (docs/activation_checkpointing.md).
-        checkpoint_io: set by the Trainer (wrapped to write atomically).
-        precision_plugin: set by the Trainer (wrapped to clip by the norm over all stages).
+    Every setting is a field of :class:`~dynmo_lightning.pipeline.settings.StrategySettings` (its docstrings say
+    what each does; one name and one default, shared with the Hydra group ``strategy``): give them as keyword
+    arguments, ``DynMoStrategy(n_microbatches=8, schedule="zbv", stages_per_rank=2)``, or as one settings object.
+    ``accelerator``, ``parallel_devices``, ``cluster_environment`` (torchrun, SLURM, Lightning's own launcher),
+    ``checkpoint_io`` (wrapped to write atomically) and ``precision_plugin`` (wrapped to clip by the norm over all
+    stages) are set by the Trainer.
     """
 
     strategy_name = "dynmo"
 
+    @with_settings_signature(StrategySettings)
     def __init__(
         self,
-        n_microbatches: int = 4,
-        schedule: ScheduleName = "1f1b",
-        partition: str | list[int] = "uniform",
-        stages_per_rank: int = 1,
-        data_parallel_size: int = 1,
-        timeout: timedelta | float = timedelta(minutes=5),
-        heartbeat_timeout: float = 15.0,
-        checkpoint_format: str = "auto",
-        activation_checkpointing: str | int | Policy | None = None,
-        process_group_backend: str | None = None,
+        settings: StrategySettings | None = None,
+        /,
+        *,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        launcher.check_arguments(
-            n_microbatches, schedule, partition, stages_per_rank, data_parallel_size, heartbeat_timeout,
-            activation_checkpointing,
-        )  # fmt: skip
-        self.activation_checkpointing = activation_checkpointing
-        self.n_microbatches, self.schedule, self.stages_per_rank = n_microbatches, schedule, stages_per_rank
-        self.partition = partition if isinstance(partition, str) else [int(n) for n in partition]
-        self.data_parallel_size = data_parallel_size
-        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-        self.heartbeat_timeout = float(heartbeat_timeout)
-        if checkpoint_format not in sharded.FORMATS:
-            raise ValueError(f"checkpoint.format={checkpoint_format!r} is not one of {list(sharded.FORMATS)}")
-        self.checkpoint_format = checkpoint_format
-        self.process_group_backend = process_group_backend  # resolved per device at start-up
+        s = self.settings = resolve(StrategySettings, "DynMoStrategy", "strategy", settings, kwargs)
+        self.activation_checkpointing = s.activation_checkpointing
+        self.n_microbatches, self.schedule, self.stages_per_rank = s.n_microbatches, s.schedule, s.stages_per_rank
+        self.partition, self.data_parallel_size = s.partition, s.data_parallel_size
+        self._timeout, self.heartbeat_timeout = s.timeout_delta, float(s.heartbeat_timeout)
+        self.checkpoint_format = s.checkpoint_format
+        self.process_group_backend = s.process_group_backend  # resolved per device at start-up
         self.num_nodes = 1  # set by the Trainer
         self._layout: ReplicaLayout | None = None
         self._mesh: Mesh | None = None

@@ -74,7 +74,7 @@ def main() -> None:
                 min_gain=0.02,
                 repack=repack,
                 repack_tolerance=args.tolerance,
-                min_world_size=1,
+                min_stages=1,
             ),
             log,
         ]

@@ -62,11 +62,19 @@ def test_bench_tiny_grid(tmp_path):
         assert cmp["policies"]["uniform"]["speedup"] == 1.0
         # The oracle re-splits optimally at every step for free: no policy beats it.
         assert all(p["speedup"] <= cmp["oracle"]["speedup"] * (1 + 1e-9) for p in cmp["policies"].values())
+    # the same ranks under ZBV (two stages each, in a V): uniform, DynMo and the oracle
+    for p, zb in freezing["zero_bubble"].items():
+        assert (zb["schedule"], zb["n_ranks"], zb["n_stages"]) == ("zbv", int(p), 2 * int(p))
+        assert set(zb["policies"]) == {"uniform", "optimal"}
+        assert zb["policies"]["optimal"]["speedup"] <= zb["oracle"]["speedup"] * (1 + 1e-9)
     with gzip.open(tmp_path / "traces" / "freezing.jsonl.gz", "rt") as f:
         trace = [json.loads(line) for line in f]
     assert len(trace) == 30 and len(trace[0]["fwd"]) == 8  # embedding, six blocks, head
+    # the weight-gradient part of every backward, measured, for the zero-bubble replays
+    assert all(0.0 <= w <= b for s in trace for w, b in zip(s["bwd_weight"], s["bwd"], strict=True))
+    assert sum(trace[0]["bwd_weight"]) > 0
 
     md = (tmp_path / "benchmarks.md").read_text()
-    for section in ("## DynMo at scale", "## Real A/B on this machine", "## Layer costs at LLM size"):
+    for section in ("## DynMo at scale", "### Zero-bubble pipelines", "## Real A/B on this machine", "## Layer costs"):
         assert section in md
     assert "(plots/speedup.png)" in md and (tmp_path / "plots" / "real.png").is_file()

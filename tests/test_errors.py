@@ -208,9 +208,9 @@ def test_parameters_outside_pipeline_layers():
         _fit(Extra())
 
 
-def test_min_world_size_above_the_job():
-    with pytest.raises(ValueError, match=r"balancer.min_world_size=2 > the pipeline's 1 processes"):
-        _fit(_gpt(), callbacks=[DynMoBalancer(repack=True, min_world_size=2)])
+def test_min_stages_above_the_job():
+    with pytest.raises(ValueError, match=r"balancer.min_stages=2 > the pipeline's 1 processes"):
+        _fit(_gpt(), callbacks=[DynMoBalancer(repack=True, min_stages=2)])
 
 
 def test_data_parallel_size_not_dividing_the_processes():

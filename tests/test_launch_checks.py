@@ -22,7 +22,7 @@ from dynmo_lightning.launch import clean_env
         (["trainer.devices=3", "strategy.data_parallel_size=2"], "data_parallel_size=2 does not divide the job's 3"),
         (["trainer.devices=3", "strategy.n_microbatches=2"], "strategy.n_microbatches=2 < 3 pipeline ranks"),
         (["strategy.partition=[1,1]"], "partition [1, 1] sums to 2 but the model has 6 layers"),
-        (["balancer=optimal", "balancer.repack=true", "balancer.min_world_size=9"], "min_world_size=9 > the pipeline"),
+        (["balancer=optimal", "balancer.repack=true", "balancer.min_stages=9"], "min_stages=9 > the pipeline"),
         (["balancer=optimal", "balancer.memory_capacity=1"], "memory_capacity=1 bytes cannot hold the model"),
         (["balancer=optimal", "balancer.memory_capacity=[1e9,1e9,1e9]"], "has 3 entries for the job's 2 pipeline"),
         (["strategy.n_microbatches=0"], "strategy.n_microbatches=0 must be a positive integer"),

@@ -40,8 +40,6 @@ from typing import Any
 
 from dynmo_lightning.balance.cost_model import repartition_pays
 from dynmo_lightning.balance.diffusion import (
-    EXACT,
-    MODES,
     DiffusionStage,
     StageOutcome,
     diffuse,
@@ -53,21 +51,15 @@ from dynmo_lightning.balance.makespan import makespan
 from dynmo_lightning.balance.partition import partition
 from dynmo_lightning.balance.planner import StepModel, makespan_split
 from dynmo_lightning.balance.repack import best_split, plan_repack
+from dynmo_lightning.balance.settings import DEFAULT_BANDWIDTH, BalanceSettings
 from dynmo_lightning.balance.tracker import CostTracker
-
-#: Planning methods: ``"optimal"`` and ``"diffusion"`` re-plan at every check; ``"static_time"`` and ``"params"``
-#: plan once (torchgpipe's balance_by_time, DeepSpeed's parameter balance); ``"random"`` moves to a random split at
-#: every check (a chaos test of layer migration, never a performance policy).
-METHODS = ("optimal", "diffusion", "static_time", "params", "random")
+from dynmo_lightning.settings import build
 
 #: Methods that plan once and never again.
 ONE_SHOT = ("static_time", "params")
 
 #: What a check can decide.
 KEEP, MIGRATE, REPACK, GROW = "keep", "migrate", "repack", "grow"
-
-#: Bytes per second a migration is assumed to move until one has been measured.
-DEFAULT_BANDWIDTH = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,81 +135,45 @@ class BalancePolicy:
     """Measured costs, cadence and the keep / migrate / repack decision of DynMo's balancer.
 
     Args:
-        method: one of :data:`METHODS`.
-        every_n_steps: optimizer steps between checks.
-        warmup_steps: steps before profiling starts (and before the first check).
-        profile_every_n_steps: profile one step in this many (default ``every_n_steps // 5``, at least 1).
-        min_gain: smallest predicted relative step-time gain worth a migration.
-        p2p: one-hop activation transfer time for the cost model.
-        bandwidth: bytes per second a migration moves, until measured (:meth:`record_migration`).
-        migration_overhead: fixed seconds added to every predicted migration (rebuilding stages and schedules).
-        smoothing: weight of a new measurement in the tracker's moving average.
-        window: measurements per layer the tracker's median is taken over.
-        memory_capacity: bytes a stage may hold (one number, or one per stage); ``None`` ignores memory.
-        repack: after each check, consolidate onto the fewest ranks predicted within ``repack_tolerance``.
-        repack_tolerance: accepted relative slow-down of a repack.
-        min_stages: never repack below this many ranks.
-        react_samples: fresh measurements of changed layers the check after an event waits for (0: no reaction,
-            wait for the regular check).
-        seed: seed of ``method="random"``.
-        diffusion_mode: ``method="diffusion"``'s protocol mode: ``"exact"`` (the optimal split) or ``"sweep"``
-            (equal-share cuts, within one layer's cost of the optimum in about ``2 P`` rounds).
+        method: one of :data:`METHODS`, or the whole :class:`~dynmo_lightning.balance.settings.BalanceSettings`.
+        **settings: the other fields of :class:`~dynmo_lightning.balance.settings.BalanceSettings` (names,
+            defaults and meaning there), over ``method``'s when that is a settings object.
 
     Raises:
         ValueError: a setting is out of range (the message names it).
+        TypeError: an unknown setting.
     """
 
-    def __init__(
-        self,
-        method: str = "optimal",
-        *,
-        every_n_steps: int = 50,
-        warmup_steps: int = 0,
-        profile_every_n_steps: int | None = None,
-        min_gain: float = 0.05,
-        p2p: float = 0.0,
-        bandwidth: float = DEFAULT_BANDWIDTH,
-        migration_overhead: float = 0.0,
-        smoothing: float = 0.5,
-        window: int = 5,
-        memory_capacity: float | list[float] | None = None,
-        repack: bool = False,
-        repack_tolerance: float = 0.05,
-        min_stages: int = 1,
-        react_samples: int = 3,
-        seed: int = 0,
-        diffusion_mode: str = EXACT,
-    ) -> None:
-        _check_settings(method, every_n_steps, warmup_steps, profile_every_n_steps, smoothing, repack_tolerance)
-        if diffusion_mode not in MODES:
-            raise ValueError(f"balancer.diffusion_mode={diffusion_mode!r} is not one of {list(MODES)}")
-        if min_stages < 1:
-            raise ValueError(f"balancer.min_world_size={min_stages} must be >= 1")
-        if not bandwidth > 0:
-            raise ValueError(f"bandwidth must be > 0 bytes per second, got {bandwidth!r}")
-        self.method = method
-        self.diffusion_mode = diffusion_mode
-        self.every_n_steps = every_n_steps
-        self.warmup_steps = warmup_steps
-        self.profile_every_n_steps = profile_every_n_steps or max(1, every_n_steps // 5)
-        self.min_gain = min_gain
-        self.p2p = p2p
-        self.bandwidth = bandwidth
-        self.migration_overhead = migration_overhead
-        self.smoothing = smoothing
-        self.window = window
-        self.memory_capacity = memory_capacity
-        self.repack = repack
-        self.repack_tolerance = repack_tolerance
-        self.min_stages = min_stages
-        self.react_samples = react_samples
+    def __init__(self, method: str | BalanceSettings = "optimal", **settings: Any) -> None:
+        if isinstance(method, BalanceSettings):
+            s = dataclasses.replace(method, **settings) if settings else method
+        else:
+            s = build(BalanceSettings, "BalancePolicy", "balancer", {"method": method, **settings})
+        self.settings = s
+        self.method = s.method
+        self.diffusion_mode = s.diffusion_mode
+        self.every_n_steps = s.every_n_steps
+        self.warmup_steps = s.warmup_steps
+        self.profile_every_n_steps = s.profile_every_n_steps or max(1, s.every_n_steps // 5)
+        self.min_gain = s.min_gain
+        self.p2p_seconds = s.p2p_seconds
+        #: Bytes per second of a migration: the setting until one is measured (:meth:`record_migration`).
+        self.bandwidth = s.bandwidth
+        self.migration_overhead = s.migration_overhead
+        self.smoothing = s.smoothing
+        self.window = s.window
+        self.memory_capacity = s.memory_capacity
+        self.repack = s.repack
+        self.repack_tolerance = s.repack_tolerance
+        self.min_stages = s.min_stages
+        self.react_samples = s.react_samples
         self.tracker: CostTracker | None = None
         self.planned_once = False
         #: The most ranks the pipeline has had (with those waiting to come back): the size repack tolerances refer to.
         self.full_stages = 0
         #: Fresh measurements since the last event (``None``: no event waiting for its check).
         self.after_event: int | None = None
-        self._rng = random.Random(seed)
+        self._rng = random.Random(s.seed)
         self._model: tuple[Any, StepModel, Any] | None = None
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -420,7 +376,7 @@ class BalancePolicy:
             pipe.layers_per_stage,
             n_microbatches=pipe.n_microbatches,
             schedule=pipe.schedule,
-            p2p=self.p2p,
+            p2p=self.p2p_seconds,
             wgt=v.get("bwd_weight"),
             tolerance=self.repack_tolerance,
             min_stages=self.min_stages,
@@ -460,11 +416,11 @@ class BalancePolicy:
         """
         assert self.tracker is not None
         v = self.tracker.values
-        key = (pipe.n_microbatches, pipe.schedule, pipe.stages_per_rank, self.p2p)
+        key = (pipe.n_microbatches, pipe.schedule, pipe.stages_per_rank, self.p2p_seconds)
         costs = (list(v["fwd"]), list(v["bwd"]), list(v.get("bwd_weight") or []))
         if self._model is None or self._model[0] != key or self._model[2] != costs:
             model = StepModel(
-                v["fwd"], v["bwd"], pipe.n_microbatches, pipe.schedule, self.p2p,
+                v["fwd"], v["bwd"], pipe.n_microbatches, pipe.schedule, self.p2p_seconds,
                 wgt=v.get("bwd_weight"), stages_per_rank=pipe.stages_per_rank,
             )  # fmt: skip
             self._model = (key, model, costs)
@@ -476,7 +432,12 @@ class BalancePolicy:
     def _makespan(self, pipe: PipelineShape, stage_fwd: Sequence[float], stage_bwd: Sequence[float]) -> float:
         """The makespan from per-stage sums (all the diffusion protocol's outcome carries)."""
         return makespan(
-            stage_fwd, stage_bwd, pipe.n_microbatches, pipe.schedule, self.p2p, stages_per_rank=pipe.stages_per_rank
+            stage_fwd,
+            stage_bwd,
+            pipe.n_microbatches,
+            pipe.schedule,
+            self.p2p_seconds,
+            stages_per_rank=pipe.stages_per_rank,
         )
 
     def _capacities(self, pipe: PipelineShape) -> list[float] | None:
@@ -513,25 +474,3 @@ class BalancePolicy:
             self._rng.setstate((version, tuple(internal), gauss))
         if n_layers is not None and state.get("tracker") is not None:
             self.start(n_layers).load_state_dict(state["tracker"])
-
-
-def _check_settings(
-    method: str,
-    every_n_steps: int,
-    warmup_steps: int,
-    profile_every_n_steps: int | None,
-    smoothing: float,
-    repack_tolerance: float,
-) -> None:
-    if method not in METHODS:
-        raise ValueError(f"balancer.method={method!r} is not one of {list(METHODS)}")
-    if not isinstance(every_n_steps, int) or every_n_steps < 1:
-        raise ValueError(f"balancer.every_n_steps={every_n_steps!r} must be an integer >= 1")
-    if warmup_steps < 0:
-        raise ValueError(f"balancer.warmup_steps={warmup_steps} must be >= 0")
-    if profile_every_n_steps is not None and profile_every_n_steps < 1:
-        raise ValueError(f"balancer.profile_every_n_steps={profile_every_n_steps} must be >= 1")
-    if not 0.0 < smoothing <= 1.0:
-        raise ValueError(f"balancer.smoothing={smoothing} must be in (0, 1]")
-    if repack_tolerance < 0:
-        raise ValueError(f"balancer.repack_tolerance={repack_tolerance} must be >= 0")

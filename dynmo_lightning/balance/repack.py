@@ -103,7 +103,7 @@ def plan_repack(
     if tolerance < 0:
         raise ValueError(f"balancer.repack_tolerance={tolerance} must be >= 0")
     if min_stages < 1:
-        raise ValueError(f"balancer.min_world_size={min_stages} must be >= 1")
+        raise ValueError(f"balancer.min_stages={min_stages} must be >= 1")
     n_layers = len(fwd)
     current = validate_partition(current, n_layers)
     if layer_bytes is None:

@@ -18,7 +18,10 @@ layers from the model's own modules (:mod:`dynmo_lightning.models.blocks` and th
   loss).
 
 :func:`measure` returns a JSON-ready table; :class:`CostTable` interpolates it linearly along each axis. Activation
-bytes (what autograd saves for backward) are recorded next to every trainable time.
+bytes (what autograd saves for backward) are recorded next to every trainable time, and so is ``wgt``, the
+weight-gradient part of the backward (zero-bubble schedules run it as a task of its own): the backward less the
+time of the input gradient alone (``torch.autograd.grad`` with respect to the layer's input only, which skips the
+weight-gradient matmuls).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import dataclasses
 import math
 import platform
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -84,6 +87,20 @@ class LayerShape:
         return self.block_params(mlp_kept=0.0) + self.n_experts * (2 * h * mlp + mlp + h) + h * self.n_experts
 
 
+class LayerCost(NamedTuple):
+    """Seconds of one layer call for one micro-batch.
+
+    Attributes:
+        fwd: forward.
+        bwd: the whole backward (input and weight gradients).
+        wgt: the weight-gradient part of ``bwd`` (0 where the table holds no split).
+    """
+
+    fwd: float
+    bwd: float
+    wgt: float = 0.0
+
+
 def _timer(fn: Callable[[], Any], min_run_time: float) -> float:
     """Median seconds of one call of ``fn`` (``torch.utils.benchmark``: warmed up, blocked, median of blocks)."""
     fn()
@@ -106,7 +123,12 @@ def _saved_bytes(total: list[int]) -> Iterator[None]:
 
 
 def time_layer(
-    forward: Callable[[], Any], params: Sequence[Tensor], *, trainable: bool = True, min_run_time: float = 1.0
+    forward: Callable[[], Any],
+    params: Sequence[Tensor],
+    *,
+    trainable: bool = True,
+    min_run_time: float = 1.0,
+    inputs: Sequence[Tensor] | None = None,
 ) -> dict[str, float]:
     """Forward and backward seconds (and saved activation bytes) of one layer call.
 
@@ -115,14 +137,20 @@ def time_layer(
         params: the layer's parameters (their gradients are dropped between calls).
         trainable: time backward too; otherwise the forward runs under ``no_grad``, as a frozen prefix does.
         min_run_time: seconds each ``blocked_autorange`` measures for.
+        inputs: the float inputs ``forward`` reads: the input gradient alone is timed too, and ``wgt`` (the rest of
+            the backward) recorded; ``()``: the layer has no input gradient (an embedding), its backward is all
+            weight gradient; ``None``: no split.
     """
     if not trainable:
         with torch.no_grad():
-            return {"fwd": _timer(forward, min_run_time), "bwd": 0.0, "activation_bytes": 0.0}
+            return {"fwd": _timer(forward, min_run_time), "bwd": 0.0, "activation_bytes": 0.0, "wgt": 0.0}
+
+    def loss() -> Tensor:
+        out = forward()
+        return (out[0] if isinstance(out, tuple) else out).float().square().mean()
 
     def both() -> None:
-        out = forward()
-        (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
+        loss().backward()
         for p in params:
             p.grad = None
 
@@ -130,7 +158,44 @@ def time_layer(
     with _saved_bytes(saved):
         forward()
     fwd = _timer(forward, min_run_time)
-    return {"fwd": fwd, "bwd": max(0.0, _timer(both, min_run_time) - fwd), "activation_bytes": float(saved[0])}
+    bwd = max(0.0, _timer(both, min_run_time) - fwd)
+    cost = {"fwd": fwd, "bwd": bwd, "activation_bytes": float(saved[0])}
+    if inputs is not None:
+        wanted = list(inputs)
+        # the input gradient alone: autograd computes only what leads to ``inputs``, no weight-gradient matmul
+        data = max(0.0, _timer(lambda: torch.autograd.grad(loss(), wanted), min_run_time) - fwd) if wanted else 0.0
+        cost["wgt"] = bwd - min(data, bwd)
+    return cost
+
+
+def graft_weight_parts(table: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """``table`` with the weight-gradient share of every cost of ``measured`` applied to its own backward times.
+
+    A committed table measured before the split keeps its forward and backward times (and what was simulated from
+    them); a fresh measurement at the same shape supplies ``wgt / bwd`` of every entry.
+    """
+
+    def graft(old: Any, new: Any) -> Any:
+        if isinstance(old, dict) and "bwd" in old:
+            share = new.get("wgt", 0.0) / new["bwd"] if new.get("bwd") else 0.0
+            return {**old, "wgt": old["bwd"] * share}
+        if isinstance(old, dict):
+            # the axes' keys (a fraction, a token count) match by value: JSON made them strings
+            by_value = {_key(k): v for k, v in new.items()} if isinstance(new, dict) else {}
+            return {k: graft(v, by_value[_key(k)]) if _key(k) in by_value else v for k, v in old.items()}
+        return old
+
+    if table["shape"] != measured["shape"]:
+        raise ValueError(f"weight parts measured at {measured['shape']}, the table is at {table['shape']}")
+    fixed = ("shape", "machine")
+    return {k: graft(v, measured[k]) if k in measured and k not in fixed else v for k, v in table.items()}
+
+
+def _key(k: Any) -> Any:
+    try:
+        return float(k)
+    except (TypeError, ValueError):
+        return k
 
 
 def _hidden(shape: LayerShape, requires_grad: bool = True) -> Tensor:
@@ -148,7 +213,7 @@ def _block(shape: LayerShape, **parts: Any) -> Block:
 def _block_states(shape: LayerShape, seconds: float) -> dict[str, Any]:
     block, x = _block(shape), _hidden(shape)
     params = list(block.parameters())
-    trainable = time_layer(lambda: block(x), params, min_run_time=seconds)
+    trainable = time_layer(lambda: block(x), params, min_run_time=seconds, inputs=[x])
     for p in params:
         p.requires_grad_(False)
     frozen = time_layer(lambda: block(x.detach()), params, trainable=False, min_run_time=seconds)
@@ -168,7 +233,7 @@ def _pruned_halves(shape: LayerShape, seconds: float) -> dict[str, Any]:
             norm = nn.LayerNorm(h)
             half = _norm_then(norm, part)
             params = [*part.parameters(), *norm.parameters()]
-            out[axis][share] = time_layer(lambda half=half: half(x), params, min_run_time=seconds)
+            out[axis][share] = time_layer(lambda half=half: half(x), params, min_run_time=seconds, inputs=[x])
     return out
 
 
@@ -183,7 +248,7 @@ def _exit_states(shape: LayerShape, seconds: float) -> dict[str, Any]:
         for b in range(shape.micro_batch):
             mask[b, torch.randperm(shape.seq)[:n]] = 1.0
         call = lambda x=x, mask=mask, aux=aux: block(x, mask, aux)  # noqa: E731
-        out[n / shape.seq] = time_layer(call, list(block.parameters()), min_run_time=seconds)
+        out[n / shape.seq] = time_layer(call, list(block.parameters()), min_run_time=seconds, inputs=[x])
     return {"exit": out}
 
 
@@ -194,7 +259,7 @@ def _mod_states(shape: LayerShape, seconds: float) -> dict[str, Any]:
         block = _block(shape, mod_capacity=capacity)
         x, active, aux = _hidden(shape), torch.ones(shape.micro_batch, shape.seq), torch.zeros(shape.micro_batch)
         call = lambda block=block, x=x, active=active, aux=aux: block(x, active, aux)  # noqa: E731
-        out[capacity] = time_layer(call, list(block.parameters()), min_run_time=seconds)
+        out[capacity] = time_layer(call, list(block.parameters()), min_run_time=seconds, inputs=[x])
     return {"mod": out}
 
 
@@ -208,7 +273,9 @@ def _sparse_states(shape: LayerShape, seconds: float) -> dict[str, Any]:
         )
         block, x = _block(shape, attn=attn), _hidden(shape)
         kept = sum(attn.blocks_kept(n_blocks)) / (n_blocks * (n_blocks + 1) / 2)
-        out[kept] = time_layer(lambda block=block, x=x: block(x), list(block.parameters()), min_run_time=seconds)
+        out[kept] = time_layer(
+            lambda block=block, x=x: block(x), list(block.parameters()), min_run_time=seconds, inputs=[x]
+        )
     return {"sparse": out}
 
 
@@ -218,7 +285,9 @@ def _moe_states(shape: LayerShape, seconds: float) -> dict[str, Any]:
     for share in (*FRACTIONS, 2.0):  # a hot expert may take more than its even share of the tokens
         n = max(1, round(share * shape.tokens / shape.n_experts))
         expert, x = MLP(h, shape.mlp_ratio * h, 0.0, True), torch.randn(n, h, requires_grad=True)
-        experts[n] = time_layer(lambda expert=expert, x=x: expert(x), list(expert.parameters()), min_run_time=seconds)
+        experts[n] = time_layer(
+            lambda expert=expert, x=x: expert(x), list(expert.parameters()), min_run_time=seconds, inputs=[x]
+        )
     attn, norm = CausalSelfAttention(h, shape.heads, 0.0, True), nn.LayerNorm(h)
     router, x = nn.Linear(h, shape.n_experts, bias=False), _hidden(shape)
 
@@ -227,7 +296,7 @@ def _moe_states(shape: LayerShape, seconds: float) -> dict[str, Any]:
         return y + router(y).softmax(-1).sum(-1, keepdim=True)
 
     params = [*attn.parameters(), *norm.parameters(), *router.parameters()]
-    return {"expert": experts, "moe_rest": time_layer(rest, params, min_run_time=seconds)}
+    return {"expert": experts, "moe_rest": time_layer(rest, params, min_run_time=seconds, inputs=[x])}
 
 
 def _ends(shape: LayerShape, seconds: float) -> dict[str, Any]:
@@ -242,8 +311,8 @@ def _ends(shape: LayerShape, seconds: float) -> dict[str, Any]:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
     return {
-        "embedding": time_layer(lambda: embed(idx), list(embed.parameters()), min_run_time=seconds),
-        "head": time_layer(head_and_loss, list(head.parameters()), min_run_time=seconds),
+        "embedding": time_layer(lambda: embed(idx), list(embed.parameters()), min_run_time=seconds, inputs=()),
+        "head": time_layer(head_and_loss, list(head.parameters()), min_run_time=seconds, inputs=[x]),
     }
 
 
@@ -328,51 +397,49 @@ class CostTable:
         self.table = table
         self.shape = LayerShape(**table["shape"])
 
-    def _axis(self, name: str, value: float) -> tuple[float, float]:
-        """``(fwd, bwd)`` interpolated at ``value`` along axis ``name``."""
+    def _axis(self, name: str, value: float) -> LayerCost:
+        """The cost interpolated at ``value`` along axis ``name``."""
         points = sorted((float(k), v) for k, v in self.table[name].items())
         xs = [p for p, _ in points]
-        fwd = float(np.interp(value, xs, [c["fwd"] for _, c in points]))
-        bwd = float(np.interp(value, xs, [c["bwd"] for _, c in points]))
-        return fwd, bwd
+        return LayerCost(*(float(np.interp(value, xs, [c.get(f, 0.0) for _, c in points])) for f in LayerCost._fields))
 
-    def block(self, *, frozen: bool = False, mlp_kept: float = 1.0, heads_kept: float = 1.0) -> tuple[float, float]:
+    def block(self, *, frozen: bool = False, mlp_kept: float = 1.0, heads_kept: float = 1.0) -> LayerCost:
         """A dense (possibly pruned) block; a frozen one costs its forward without autograd and no backward."""
         if mlp_kept >= 1.0 and heads_kept >= 1.0:
-            cost = self.table["block"]["frozen" if frozen else "trainable"]
-            return cost["fwd"], cost["bwd"]
+            return _cost(self.table["block"]["frozen" if frozen else "trainable"])
         attn, mlp = self._axis("attention", heads_kept), self._axis("mlp", mlp_kept)
-        fwd, bwd = attn[0] + mlp[0], attn[1] + mlp[1]
         if frozen:
             full = self.table["block"]
-            return fwd * full["frozen"]["fwd"] / full["trainable"]["fwd"], 0.0
-        return fwd, bwd
+            return LayerCost((attn.fwd + mlp.fwd) * full["frozen"]["fwd"] / full["trainable"]["fwd"], 0.0)
+        return LayerCost(*(a + b for a, b in zip(attn, mlp, strict=True)))
 
-    def exit(self, active: float) -> tuple[float, float]:
+    def exit(self, active: float) -> LayerCost:
         """A block whose input has a fraction ``active`` of its tokens still active."""
         return self._axis("exit", active)
 
-    def mod(self, capacity: float) -> tuple[float, float]:
+    def mod(self, capacity: float) -> LayerCost:
         """A Mixture-of-Depths block routing a fraction ``capacity`` of the tokens."""
         return self._axis("mod", capacity)
 
-    def sparse(self, kept: float) -> tuple[float, float]:
+    def sparse(self, kept: float) -> LayerCost:
         """A block whose attention computes a fraction ``kept`` of the causal key blocks."""
         return self._axis("sparse", kept)
 
-    def moe(self, expert_tokens: Sequence[float]) -> tuple[float, float]:
+    def moe(self, expert_tokens: Sequence[float]) -> LayerCost:
         """An MoE block whose experts take ``expert_tokens`` tokens each (of one micro-batch)."""
-        rest = self.table["moe_rest"]
-        fwd, bwd = rest["fwd"], rest["bwd"]
+        total = _cost(self.table["moe_rest"])
         for n in expert_tokens:
             if n >= 1:
-                f, b = self._axis("expert", n)
-                fwd, bwd = fwd + f, bwd + b
-        return fwd, bwd
+                total = LayerCost(*(a + b for a, b in zip(total, self._axis("expert", n), strict=True)))
+        return total
 
-    def end(self, name: str) -> tuple[float, float]:
+    def end(self, name: str) -> LayerCost:
         """The embedding (``"embedding"``) or the head with the loss (``"head"``)."""
-        return self.table[name]["fwd"], self.table[name]["bwd"]
+        return _cost(self.table[name])
+
+
+def _cost(entry: dict[str, float]) -> LayerCost:
+    return LayerCost(entry["fwd"], entry["bwd"], entry.get("wgt", 0.0))
 
 
 def block_gflops(table: dict[str, Any]) -> float:

@@ -48,12 +48,13 @@ class Progress:
 
 # ---------------------------------------------------------------------------------------------------------------------
 def measure_layers(cfg: DictConfig, out: Path) -> None:
-    """Part 1: the layer cost tables."""
+    """Part 1: the layer cost tables (with ``resume``, a table without the backward's weight parts gains them)."""
     c = cfg.layer_costs
     long_shape = {**c.shape, "seq": c.long_seq}
     tables = (("layer_costs.json", c.shape, layer_costs.PARTS), ("layer_costs_long.json", long_shape, c.long_parts))
     for name, shape, parts in tables:
-        if cfg.resume and (out / name).exists():
+        kept = read_json(out / name) if cfg.resume and (out / name).exists() else None
+        if kept is not None and "wgt" in kept["block"]["trainable"]:
             continue
         t0 = time.perf_counter()
         table = layer_costs.measure(
@@ -64,6 +65,8 @@ def measure_layers(cfg: DictConfig, out: Path) -> None:
             device=c.device,
         )
         table["seconds"] = time.perf_counter() - t0
+        if kept is not None:  # a table from before the weight split keeps its times and gains the measured shares
+            table = layer_costs.graft_weight_parts(kept, table) | {"weight_parts_seconds": table["seconds"]}
         write_json(out / name, table)
 
 
@@ -99,8 +102,13 @@ def record_timelines(cfg: DictConfig, out: Path) -> None:
 
 
 def real_runs(cfg: DictConfig, out: Path) -> None:
-    """Part 3: the A/B runs on ``real.world_size`` ranks, policies alternating within every repeat."""
+    """Part 3: the A/B runs on ``real.world_size`` ranks, policies alternating within every repeat.
+
+    Results go to ``real.json`` and ``real/`` under 1F1B, to ``real_<schedule>.json`` and ``real_<schedule>/`` under
+    another schedule, so that the A/B of each schedule sits beside the others in one directory.
+    """
     r = cfg.real
+    stem = real_stem(r.get("schedule", "1f1b"))
     cases = []
     for repeat in range(r.repeats):
         for dynamic in r.dynamics:
@@ -113,28 +121,36 @@ def real_runs(cfg: DictConfig, out: Path) -> None:
                         "accelerator": r.accelerator, "model": OmegaConf.to_container(r.model),
                         "schedule": r.get("schedule", "1f1b"), "stages_per_rank": r.get("stages_per_rank", 1),
                         "data": OmegaConf.to_container(r.data), "balancer": OmegaConf.to_container(r.balancer),
-                        "result": str(out / "real" / f"{name}.json"),
+                        "result": str(out / stem / f"{name}.json"),
                     }
                 )  # fmt: skip
     todo = [c for c in cases if not (cfg.resume and Path(c["result"]).exists())]
-    link = out / "real" / "link.json"
+    link = out / stem / "link.json"
     if todo:
-        (out / "real").mkdir(parents=True, exist_ok=True)
+        (out / stem).mkdir(parents=True, exist_ok=True)
         act = r.data.batch_size // r.microbatches * r.data.block_size * r.model.n_embd * 4
-        _launch(r.world_size, todo, out, r.timeout, {"bytes": act, "result": str(link)} if not link.exists() else None)
+        job = {"bytes": act, "result": str(link)} if not link.exists() else None
+        _launch(r.world_size, todo, out, r.timeout, job, stem)
     results = {c["name"]: read_json(Path(c["result"])) for c in cases}
     summary = {"config": OmegaConf.to_container(r), "link": read_json(link), "cases": cases}
     summary["rows"] = real.summarize(cases, results, summary["link"])
     speeds = [v["migration_bytes_per_s"] for v in results.values() if "migration_bytes_per_s" in v]
     summary["migration_bytes_per_s"] = speeds
-    write_json(out / "real.json", summary)
+    write_json(out / f"{stem}.json", summary)
 
 
-def _launch(world_size: int, cases: list[dict[str, Any]], out: Path, timeout: float, link: dict | None) -> None:
+def real_stem(schedule: str) -> str:
+    """The name of the real part's results under ``schedule``: ``real`` for 1F1B, else ``real_<schedule>``."""
+    return "real" if schedule == "1f1b" else f"real_{schedule}"
+
+
+def _launch(
+    world_size: int, cases: list[dict[str, Any]], out: Path, timeout: float, link: dict | None, stem: str
+) -> None:
     """Run ``cases`` back to back in one set of ``world_size`` processes, reporting progress as results appear."""
-    spec = out / "real" / "spec.json"
+    spec = out / stem / "spec.json"
     spec.write_text(json.dumps({"cases": cases, "link": link}))
-    progress = Progress(len(cases), "real")
+    progress = Progress(len(cases), stem)
 
     def poll() -> None:
         for case in cases[progress.done :]:
@@ -143,9 +159,9 @@ def _launch(world_size: int, cases: list[dict[str, Any]], out: Path, timeout: fl
             progress.step(case["name"])
 
     argv = [sys.executable, "-m", "dynmo_lightning.bench", "worker", str(spec)]
-    codes = run_ranks(world_size, argv, log_dir=out / "logs", tag="real", timeout=timeout * len(cases), poll=poll)
+    codes = run_ranks(world_size, argv, log_dir=out / "logs", tag=stem, timeout=timeout * len(cases), poll=poll)
     if any(c != 0 for c in codes):
-        raise RuntimeError(f"benchmark processes failed (exit codes {codes}); see {out / 'logs'}/real.rank*.log")
+        raise RuntimeError(f"benchmark processes failed (exit codes {codes}); see {out / 'logs'}/{stem}.rank*.log")
 
 
 def simulate(cfg: DictConfig, out: Path) -> None:
@@ -173,7 +189,10 @@ def simulate(cfg: DictConfig, out: Path) -> None:
 def _simulate_dynamic(
     container: dict[str, Any], out_dir: str, dynamic: str, net: scale.Network, val_none: float
 ) -> dict[str, Any]:
-    """One dynamic's replays: the preset at every stage count, the bandwidth sweep and the strength sweep."""
+    """One dynamic's replays: the preset at every stage count, the bandwidth sweep and the strength sweep.
+
+    The preset is replayed under 1F1B and, with ``scale.zero_bubble``, under that schedule on the same ranks.
+    """
     cfg, out = OmegaConf.create(container), Path(out_dir)
     preset = timeline.PRESETS.get(dynamic)
     name = "layer_costs_long.json" if dynamic == "sparse_attention" else "layer_costs.json"
@@ -187,6 +206,10 @@ def _simulate_dynamic(
     kw = {"microbatches_per_stage": cfg.scale.microbatches_per_stage, "every_n_steps": cfg.scale.every_n_steps}
     entry["by_stages"] = {str(p): scale.compare(trace, p, net, **kw) for p in cfg.scale.stages}
     p, two = cfg.scale.sweep_stages, ("uniform", "optimal")
+    zero_bubble = cfg.scale.get("zero_bubble")
+    if zero_bubble:  # the same trace and batch on the same ranks, under a zero-bubble schedule in its V
+        v = {"schedule": zero_bubble, "stages_per_rank": 2}
+        entry["zero_bubble"] = {str(q): scale.compare(trace, q, net, policies=two, **v, **kw) for q in cfg.scale.stages}
     entry["bandwidth_sweep"] = [
         {"bytes_per_s": bw, **_headline(scale.compare(trace, p, _with_bandwidth(net, bw), policies=two, **kw))}
         for bw in cfg.scale.bandwidths

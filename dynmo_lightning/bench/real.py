@@ -4,7 +4,7 @@ Every case trains the reference GPT from the same seed with one dynamic (:data:`
 :mod:`~dynmo_lightning.bench.timeline` compressed into a short run) under one policy. The cases of all repeats run
 back to back in one set of processes, policies alternating (A B A B ...), so that drift of the machine falls on both.
 Measured per case: tokens per second over the window ``[measure_from, steps)``, the per-layer costs the balancer
-profiled in that window (from which a simulation of the 1F1B schedule, with the measured point-to-point time,
+profiled in that window (from which the makespan of the run's schedule, with the measured point-to-point time,
 predicts the ideal ratio of the best split over the uniform one), when the dynamic changed layers and when the
 balancer moved them (the reaction lag), and the validation loss. The math of both policies is the same, so are
 their losses.
@@ -28,13 +28,12 @@ import torch
 import torch.distributed as dist
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
-from dynmo_lightning.balance import partition
+from dynmo_lightning.balance import StepModel, makespan_split, partition
 from dynmo_lightning.callbacks import GradualPruning, LayerFreezing, TokenEarlyExit
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.launch import backend_device, fresh_world
 from dynmo_lightning.models import GPT
 from dynmo_lightning.profiling import DeviceClock
-from dynmo_lightning.sim import simulate_layers
 
 
 def real_preset(dynamic: str, n_layers: int) -> L.Callback | None:
@@ -100,31 +99,36 @@ class WindowCosts(L.Callback):
         n = len(self.samples[0])
         fwd = [statistics.fmean(c[i]["fwd"] for c in self.samples) for i in range(n)]
         bwd = [statistics.fmean(c[i]["bwd"] for c in self.samples) for i in range(n)]
-        return {"fwd": fwd, "bwd": bwd, "samples": len(self.samples)}
+        wgt = [statistics.fmean(c[i].get("bwd_weight", 0.0) for c in self.samples) for i in range(n)]
+        return {"fwd": fwd, "bwd": bwd, "wgt": wgt, "samples": len(self.samples)}
 
 
-def ideal_ratio(costs: dict[str, Any], n_stages: int, n_microbatches: int, p2p: float) -> float:
-    """Step time of the uniform split over the best split's, both simulated in the runtime's 1F1B order.
+def ideal_ratio(
+    costs: dict[str, Any],
+    n_ranks: int,
+    n_microbatches: int,
+    p2p: float,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+) -> float:
+    """Step time of the uniform split over the best split's, both the makespan of the run's own schedule.
 
     The closed-form 1F1B model (``balance.step_time``: ``sum + (M - 1) max``) overstates a heavy *first* stage at
-    few micro-batches: its extra work overlaps the later stages' fill and drain. So the ideal comes from the
-    discrete-event simulator of ``Schedule1F1B``'s task order (:func:`~dynmo_lightning.sim.simulate_layers`), and
-    the best split is searched over every contiguous split when there are at most :data:`_EXHAUSTIVE` of them
-    (P = 2: ``L - 1``), else it is ``optimal``'s min-max split.
+    few micro-batches (its extra work overlaps the later stages' fill and drain), and it knows nothing of a
+    zero-bubble schedule's split backward or of a V placement. So both splits are timed by the event engine over
+    the schedule's task order (:class:`~dynmo_lightning.balance.StepModel`, with the window's weight-gradient part
+    of each layer's backward), and the best split is searched over every contiguous split when there are at most
+    :data:`_EXHAUSTIVE` of them (P = 2: ``L - 1``), else it is :func:`~dynmo_lightning.balance.makespan_split`'s.
     """
     fwd, bwd = costs["fwd"], costs["bwd"]
-    both = [f + b for f, b in zip(fwd, bwd, strict=True)]
-
-    def simulated(split: list[int]) -> float:
-        return simulate_layers(fwd, bwd, split, n_microbatches, "1f1b", p2p).step_time
-
-    n_layers = len(both)
+    model = StepModel(fwd, bwd, n_microbatches, schedule, p2p, wgt=costs.get("wgt"), stages_per_rank=stages_per_rank)
+    n_layers, n_stages = len(fwd), n_ranks * stages_per_rank
     if math.comb(n_layers - 1, n_stages - 1) <= _EXHAUSTIVE:
         cuts = itertools.combinations(range(1, n_layers), n_stages - 1)
-        candidates = [[b - a for a, b in itertools.pairwise((0, *c, n_layers))] for c in cuts]
+        best = min(model([b - a for a, b in itertools.pairwise((0, *c, n_layers))]) for c in cuts)
     else:
-        candidates = [partition(both, n_stages, method="optimal")]
-    return simulated(partition(both, n_stages, method="uniform")) / min(map(simulated, candidates))
+        best = makespan_split(model, n_stages)[0]  # type: ignore[index]
+    return model(partition(model.costs, n_stages, method="uniform")) / best
 
 
 #: Most contiguous splits :func:`ideal_ratio` simulates one by one.
@@ -270,12 +274,11 @@ def summarize(
         ratios = [runs[r]["tokens_per_s"] / uniform[r]["tokens_per_s"] for r in sorted(runs) if r in uniform]
         mean, low, high = interval95(ratios)
         shape = next(c for c in cases if c["dynamic"] == dynamic and c["policy"] == policy)
-        # The simulator follows 1F1B's task order; a zero-bubble case gets no ideal until it has that one's.
-        simulated = shape.get("schedule", "1f1b") == "1f1b"
+        placement = (shape.get("schedule", "1f1b"), shape.get("stages_per_rank", 1))
         ideals = [
-            ideal_ratio(run["window_costs"], shape["world_size"], shape["microbatches"], p2p)
+            ideal_ratio(run["window_costs"], shape["world_size"], shape["microbatches"], p2p, *placement)
             for run in runs.values()
-            if run.get("window_costs") and simulated
+            if run.get("window_costs")
         ]
         ideal = statistics.fmean(ideals) if ideals else None
         lag = _lag(list(runs.values()))

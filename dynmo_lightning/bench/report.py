@@ -75,6 +75,27 @@ def headline_table(sim: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def zero_bubble_table(sim: Mapping[str, Any]) -> list[str]:
+    """Per dynamic and P: uniform, DynMo and the oracle under the zero-bubble schedule beside DynMo under 1F1B."""
+    lines = [
+        "| dynamic | P | DynMo under 1F1B | zero-bubble `uniform` over 1F1B `uniform` | **DynMo zero-bubble** (share "
+        "of oracle) | oracle zero-bubble | DynMo zero-bubble over 1F1B `uniform` | migrations |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for dynamic, entry in sim["dynamics"].items():
+        for p, zb in entry.get("zero_bubble", {}).items():
+            onef1b, pol = entry["by_stages"][p], zb["policies"]
+            base = onef1b["policies"]["uniform"]["total_time"]
+            dynmo = pol["optimal"]
+            lines.append(
+                f"| {NAMES.get(dynamic, dynamic)} | {p} | {_x(onef1b['policies']['optimal']['speedup'])} "
+                f"| {_x(base / pol['uniform']['total_time'])} "
+                f"| **{_x(dynmo['speedup'])}** ({_pct(dynmo['share_of_oracle'])}) | {_x(zb['oracle']['speedup'])} "
+                f"| {_x(base / dynmo['total_time'])} | {dynmo['n_migrations']} |"
+            )
+    return lines if len(lines) > 2 else []
+
+
 def sweep_table(sim: Mapping[str, Any]) -> list[str]:
     """Per dynamic: the strength sweep at the sweep's stage count, and where the seed's figure is reached."""
     from dynmo_lightning.bench.timeline import PRESETS
@@ -282,7 +303,9 @@ def plot_real(real: Mapping[str, Any], path: Path) -> Path:
 def report_bench(directory: str | Path) -> list[Path]:
     """Write ``benchmarks.md`` and ``plots/*.png`` of a ``dynmo-bench`` directory; returns the plots."""
     d = Path(directory)
-    costs, real, sim = (_read(d / name) for name in ("layer_costs.json", "real.json", "simulated.json"))
+    costs, sim = (_read(d / name) for name in ("layer_costs.json", "simulated.json"))
+    # the real part's A/B of each schedule (``real.json``: 1F1B; ``real_<schedule>.json``), 1F1B first
+    reals = [(p.stem, _read(p)) for p in sorted(d.glob("real*.json"), key=lambda p: (p.stem != "real", p.stem))]
     plots: list[Path] = []
     lines = [
         "# DynMo benchmarks",
@@ -296,9 +319,10 @@ def report_bench(directory: str | Path) -> list[Path]:
     if sim:
         lines += _scale_section(sim)
         plots += _scale_plots(sim, d)
-    if real:
-        lines += _real_section(real)
-        plots.append(plot_real(real, d / "plots" / "real.png"))
+    for stem, real in reals:
+        if real:
+            lines += _real_section(real)
+            plots.append(plot_real(real, d / "plots" / f"{stem}.png"))
     if costs:
         lines += ["## Layer costs at LLM size", "", *layer_table(costs), ""]
     lines += ["## Plots", "", *(f"![{p.stem}](plots/{p.name})" for p in plots), ""]
@@ -327,6 +351,7 @@ def _scale_section(sim: Mapping[str, Any]) -> list[str]:
         "",
         *headline_table(sim),
         "",
+        *_zero_bubble_section(sim),
         "### Strength sweeps: where the seed's figure is reached",
         "",
         *_stale_note(sim),
@@ -348,6 +373,36 @@ def _scale_section(sim: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _zero_bubble_section(sim: Mapping[str, Any]) -> list[str]:
+    table = zero_bubble_table(sim)
+    if not table:
+        return []
+    zb = next(e["zero_bubble"] for e in sim["dynamics"].values() if e.get("zero_bubble"))
+    first = next(iter(zb.values()))
+    return [
+        f"### Zero-bubble pipelines (`{first['schedule']}`)",
+        "",
+        f"The same traces on the same P ranks and the same {first['n_microbatches'] // first['n_ranks']} "
+        f"micro-batches per rank, under `{first['schedule']}`: two stages per rank in a V (stages s and 2P - 1 - s "
+        "on rank s), the backward split into its input-gradient and weight-gradient tasks (the weight part of "
+        "every layer measured below). Zero-bubble speed-ups are over the uniform split under the same schedule; the "
+        f"last columns put the schedule and the balancing together over 1F1B's uniform split.{_one_layer_note(zb)}",
+        "",
+        *table,
+        "",
+    ]
+
+
+def _one_layer_note(by_ranks: Mapping[str, Any]) -> str:
+    """A sentence on the stage counts at which every stage holds one layer (nothing left to balance)."""
+    full = [
+        (p, cmp["n_stages"])
+        for p, cmp in by_ranks.items()
+        if sum(cmp["policies"]["uniform"]["partitions"][0][1]) <= cmp["n_stages"]
+    ]
+    return "".join(f" At P = {p} the {n} stages hold one layer each: no split is left to choose." for p, n in full)
+
+
 def _scale_plots(sim: Mapping[str, Any], d: Path) -> list[Path]:
     plots = [plot_speedups(sim, d / "plots" / "speedup.png")]
     sweeps = plot_sweeps(sim, d / "plots" / "sweeps.png")
@@ -362,18 +417,32 @@ def _scale_plots(sim: Mapping[str, Any], d: Path) -> list[Path]:
     return plots
 
 
+#: Section titles and torch's schedule classes of the real part's schedules.
+SCHEDULE_NAMES = {
+    "1f1b": ("1F1B", "Schedule1F1B"),
+    "gpipe": ("GPipe", "ScheduleGPipe"),
+    "interleaved_1f1b": ("interleaved 1F1B", "ScheduleInterleaved1F1B"),
+    "interleaved_zb": ("interleaved zero-bubble", "ScheduleInterleavedZeroBubble"),
+    "zbv": ("zero-bubble V (ZBV)", "ScheduleZBVZeroBubble"),
+    "dualpipev": ("DualPipeV", "ScheduleDualPipeV"),
+}
+
+
 def _real_section(real: Mapping[str, Any]) -> list[str]:
     link, cfg = real["link"], real["config"]
     hop = 1e3 * (link["p2p_latency_s"] + link["p2p_bytes"] / link["p2p_bytes_per_s"])
+    schedule, per_rank = cfg.get("schedule", "1f1b"), cfg.get("stages_per_rank", 1)
+    title, order = SCHEDULE_NAMES.get(schedule, (schedule, schedule))
+    stages = f" x {per_rank} stages" if per_rank > 1 else ""
     return [
-        "## Real A/B on this machine",
+        f"## Real A/B on this machine: {title}",
         "",
-        f"{cfg['world_size']} ranks, GPT {cfg['model']['n_layer']} blocks x {cfg['model']['n_embd']}, batches of "
-        f"{cfg['data']['batch_size']} x {cfg['data']['block_size']} tokens in {cfg['microbatches']} micro-batches, "
-        f"{cfg['steps']} steps, tokens/s from step {cfg['measure_from']}; {cfg['repeats']} repeats, policies "
-        f"alternating; one activation hop {hop:.2f} ms. Ratio: DynMo's tokens/s over the uniform run beside it. "
-        "Ideal: the uniform split's step time over the best split's, both simulated in `Schedule1F1B`'s task order "
-        "from the per-layer costs DynMo's balancer measured in the same window.",
+        f"{cfg['world_size']} ranks{stages}, GPT {cfg['model']['n_layer']} blocks x {cfg['model']['n_embd']}, "
+        f"batches of {cfg['data']['batch_size']} x {cfg['data']['block_size']} tokens in {cfg['microbatches']} "
+        f"micro-batches, {cfg['steps']} steps, tokens/s from step {cfg['measure_from']}; {cfg['repeats']} repeats, "
+        f"policies alternating; one activation hop {hop:.2f} ms. Ratio: DynMo's tokens/s over the uniform run beside "
+        f"it. Ideal: the uniform split's step time over the best split's, both the makespan of `{order}`'s task order "
+        "(`balance.StepModel`) from the per-layer costs DynMo's balancer measured in the same window.",
         "",
         *real_table(real),
         "",

@@ -45,18 +45,28 @@ class Network:
 
 
 def oracle(
-    trace: Sequence[dict[str, Any]], n_stages: int, *, n_microbatches: int, p2p: float, schedule: str = "1f1b"
+    trace: Sequence[dict[str, Any]],
+    n_stages: int,
+    *,
+    n_microbatches: int,
+    p2p: float,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
 ) -> dict[str, Any]:
     """Every step on the makespan-optimal split of its own costs, with free migration: the bound for any balancer.
 
-    Steps with the costs of an earlier step reuse its plan (traces hold long runs of equal costs).
+    ``n_stages`` counts stages (``stages_per_rank`` of them on each rank). Steps with the costs of an earlier step
+    reuse its plan (traces hold long runs of equal costs).
     """
     total, splits = 0.0, []
     planned: dict[tuple[float, ...], tuple[float, list[int]]] = {}
     for entry in trace:
         key = (*entry["fwd"], *entry["bwd"], *entry.get("bwd_weight", ()))
         if key not in planned:
-            model = StepModel(entry["fwd"], entry["bwd"], n_microbatches, schedule, p2p, wgt=entry.get("bwd_weight"))
+            model = StepModel(
+                entry["fwd"], entry["bwd"], n_microbatches, schedule, p2p,
+                wgt=entry.get("bwd_weight"), stages_per_rank=stages_per_rank,
+            )  # fmt: skip
             found = makespan_split(model, n_stages, start=splits[-1][1] if splits else None)
             assert found is not None  # no memory caps: every split fits
             planned[key] = found
@@ -69,22 +79,36 @@ def oracle(
 
 def compare(
     trace: Sequence[dict[str, Any]],
-    n_stages: int,
+    n_ranks: int,
     network: Network,
     *,
     microbatches_per_stage: int = 4,
     every_n_steps: int = 10,
     policies: Sequence[str] = POLICIES,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
 ) -> dict[str, Any]:
-    """Every policy and the oracle on one trace at ``n_stages``; speed-ups over the uniform split.
+    """Every policy and the oracle on one trace on ``n_ranks`` ranks; speed-ups over the uniform split.
+
+    Args:
+        trace: the cost trace.
+        n_ranks: pipeline ranks P (``n_ranks * stages_per_rank`` stages).
+        network: the links.
+        microbatches_per_stage: micro-batches per step over P (the same batch whatever the schedule).
+        every_n_steps: steps between the balancer's checks.
+        policies: the policies replayed (``"uniform"`` among them: the speed-ups' reference).
+        schedule: the pipeline schedule every policy and the oracle run (its task order times every step).
+        stages_per_rank: stages on each rank (2 for ``zbv`` and ``dualpipev``, placed in a V).
 
     Returns:
-        ``{"n_stages", "n_microbatches", "n_steps", "p2p_s", "oracle": {...}, "policies": {name: {"total_time",
-        "speedup", "share_of_oracle", "n_migrations", "bytes_moved", "rank_seconds", "world_size_end",
-        "partitions"}}}``; the oracle's entry has ``total_time``, ``speedup`` and ``n_migrations``.
+        ``{"n_stages", "n_ranks", "schedule", "n_microbatches", "n_steps", "p2p_s", "oracle": {...}, "policies":
+        {name: {"total_time", "speedup", "share_of_oracle", "n_migrations", "bytes_moved", "rank_seconds",
+        "world_size_end", "partitions"}}}``; the oracle's entry has ``total_time``, ``speedup`` and
+        ``n_migrations``.
     """
-    m = microbatches_per_stage * n_stages
+    m, n_stages = microbatches_per_stage * n_ranks, n_ranks * stages_per_rank
     p2p = network.p2p(trace[0]["activation_bytes"][0])
+    placement = {"schedule": schedule, "stages_per_rank": stages_per_rank}
     runs = {
         policy: simulate_run(
             trace,
@@ -96,14 +120,16 @@ def compare(
             bandwidth=network.migration_bandwidth,
             # Consolidation releases ranks to the cluster and takes them back when the full pipeline pays again.
             regrow=policy == "optimal+repack",
+            **placement,
         )
         for policy in policies
     }
     uniform = runs["uniform"].total_time
-    best = oracle(trace, n_stages, n_microbatches=m, p2p=p2p)
+    best = oracle(trace, n_stages, n_microbatches=m, p2p=p2p, **placement)
     best["speedup"] = uniform / best["total_time"]
     out: dict[str, Any] = {
-        "n_stages": n_stages, "n_microbatches": m, "n_steps": len(trace), "p2p_s": p2p, "oracle": best, "policies": {},
+        "n_stages": n_stages, "n_ranks": n_ranks, "schedule": schedule, "n_microbatches": m, "n_steps": len(trace),
+        "p2p_s": p2p, "oracle": best, "policies": {},
     }  # fmt: skip
     for name, run in runs.items():
         speedup = uniform / run.total_time

@@ -7,9 +7,10 @@ capacity (Mixture of Depths), the attention density, and every expert's share of
 with the validation loss at the end. The run is small, but the states are what the technique really did.
 
 :func:`realistic_trace` turns a timeline into a cost trace at LLM size: each layer's forward and backward time in its
-state at each step, looked up in the layer costs measured on this machine (:class:`~.layer_costs.CostTable`), with
-the parameter, optimizer-state and activation bytes of the large layer. Steps where a layer's structure changed
-(frozen, pruned) carry them as ``changed_layers``: the balancer's events.
+state at each step (and the weight-gradient part of the backward, which zero-bubble schedules run apart), looked up
+in the layer costs measured on this machine (:class:`~.layer_costs.CostTable`), with the parameter, optimizer-state
+and activation bytes of the large layer. Steps where a layer's structure changed (frozen, pruned) carry them as
+``changed_layers``: the balancer's events.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 
-from dynmo_lightning.bench.layer_costs import CostTable
+from dynmo_lightning.bench.layer_costs import CostTable, LayerCost
 from dynmo_lightning.callbacks import (
     DynamicSparseAttention,
     GradualPruning,
@@ -280,9 +281,9 @@ def realistic_trace(timeline: dict[str, Any], table: CostTable) -> list[dict[str
     previous: dict[str, Any] | None = None
     for k, state in enumerate(timeline["states"]):
         n = len(state["frozen"])
-        fwd, bwd, params = [0.0] * n, [0.0] * n, [0.0] * n
+        fwd, bwd, wgt, params = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         for i in range(n):
-            fwd[i], bwd[i], params[i] = _layer_cost(table, state, i, n)
+            (fwd[i], bwd[i], wgt[i]), params[i] = _layer_cost(table, state, i, n)
         frozen = state["frozen"]
         optim = [0.0 if frozen[i] else 2 * p for i, p in enumerate(params)]  # Adam's two moments
         act = float(shape.tokens * shape.hidden * 2)  # bf16 hidden states between stages
@@ -290,6 +291,7 @@ def realistic_trace(timeline: dict[str, Any], table: CostTable) -> list[dict[str
             "step": k,
             "fwd": fwd,
             "bwd": bwd,
+            "bwd_weight": wgt,
             "param_bytes": [4 * p for p in params],
             "optim_bytes": [4 * p for p in optim],
             "activation_bytes": [act] * n,
@@ -300,30 +302,35 @@ def realistic_trace(timeline: dict[str, Any], table: CostTable) -> list[dict[str
     return steps
 
 
-def _layer_cost(table: CostTable, state: dict[str, Any], i: int, n: int) -> tuple[float, float, float]:
-    """Forward and backward seconds and parameter count of layer ``i`` of ``n`` in ``state``."""
+def _layer_cost(table: CostTable, state: dict[str, Any], i: int, n: int) -> tuple[LayerCost, float]:
+    """The cost (forward, backward, its weight part) and the parameter count of layer ``i`` of ``n`` in ``state``."""
     shape = table.shape
     if i == 0:
-        fwd, bwd = table.end("embedding")
-        return fwd, 0.0 if state["frozen"][0] else bwd, float((shape.vocab + shape.seq) * shape.hidden)
-    if i == n - 1:
-        fwd, bwd = table.end("head")
-        return fwd, bwd, float(shape.vocab * shape.hidden + 2 * shape.hidden)
+        cost, params = table.end("embedding"), float((shape.vocab + shape.seq) * shape.hidden)
+    elif i == n - 1:
+        cost, params = table.end("head"), float(shape.vocab * shape.hidden + 2 * shape.hidden)
+    else:
+        cost, params = _block_cost(table, state, i)
+    # a frozen layer has no backward (the freezing dynamics freeze a prefix: no input gradient either); the head
+    # and its loss always run backward, as the traces before the weight split priced it
+    frozen = state["frozen"][i] and i < n - 1
+    return (LayerCost(cost.fwd, 0.0, 0.0) if frozen else cost), params
+
+
+def _block_cost(table: CostTable, state: dict[str, Any], i: int) -> tuple[LayerCost, float]:
+    shape = table.shape
     frozen, mlp, heads = state["frozen"][i], state["mlp_kept"][i], state["heads_kept"][i]
     experts, capacity, density = state["experts"][i], state["capacity"][i], state["density"][i]
     if experts is not None:
-        fwd, bwd = table.moe([share * shape.tokens for share in experts])
-        params = shape.moe_params()
-    elif capacity is not None and capacity < 1.0:
-        (fwd, bwd), params = table.mod(capacity), shape.block_params()
-    elif density is not None and density < 1.0:
-        (fwd, bwd), params = table.sparse(_kept_blocks(density, shape.seq // shape.attn_block)), shape.block_params()
-    elif state["active"][i] < 1.0:
-        (fwd, bwd), params = table.exit(state["active"][i]), shape.block_params()
-    else:
-        m, h = (1.0 if mlp is None else mlp), (1.0 if heads is None else heads)
-        (fwd, bwd), params = table.block(frozen=frozen, mlp_kept=m, heads_kept=h), shape.block_params(m, h)
-    return fwd, 0.0 if frozen else bwd, float(params)
+        return table.moe([share * shape.tokens for share in experts]), float(shape.moe_params())
+    if capacity is not None and capacity < 1.0:
+        return table.mod(capacity), float(shape.block_params())
+    if density is not None and density < 1.0:
+        return table.sparse(_kept_blocks(density, shape.seq // shape.attn_block)), float(shape.block_params())
+    if state["active"][i] < 1.0:
+        return table.exit(state["active"][i]), float(shape.block_params())
+    m, h = (1.0 if mlp is None else mlp), (1.0 if heads is None else heads)
+    return table.block(frozen=frozen, mlp_kept=m, heads_kept=h), float(shape.block_params(m, h))
 
 
 def _kept_blocks(density: float, n_blocks: int) -> float:

@@ -9,6 +9,8 @@ Hydra config (``dynamics=<dynamic>``).
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -18,6 +20,7 @@ from torch import nn
 from typing_extensions import override
 
 from dynmo_lightning.protocol import all_gather, local_layers
+from dynmo_lightning.settings import fields_signature, resolve
 
 
 def check_fractions(**values: float) -> None:
@@ -34,21 +37,22 @@ def check_at_least(minimum: int, **values: int) -> None:
             raise ValueError(f"dynamics.{name}={value} must be >= {minimum}")
 
 
-def enable(pl_module: pl.LightningModule, part: type[nn.Module], setting: str, **options: Any) -> None:
+def enable(pl_module: pl.LightningModule, part: type[nn.Module], **options: Any) -> None:
     """Ask the model to build its layers with ``options`` (before ``configure_model``), then check ``part`` exists.
 
     Models that build dynamic parts themselves (no ``configure_dynamics``) just need to contain ``part`` modules.
 
     Raises:
-        ValueError: the model has no ``part`` modules after all (naming the model setting that adds them).
+        ValueError: the model has no ``part`` modules after all (naming the reference GPT's settings that add them).
     """
     configure = getattr(pl_module, "configure_dynamics", None)
     if callable(configure):
         configure(**options)
     elif not parts(pl_module, part):
+        gpt = ", ".join(f"{k}={v!r}" for k, v in options.items())
         raise ValueError(
-            f"{type(pl_module).__name__} has no {part.__name__} modules in its pipeline layers: build the model with "
-            f"{setting} (the reference GPT's configure_dynamics does it for you)"
+            f"{type(pl_module).__name__} has no {part.__name__} modules in its pipeline layers: build them into its "
+            f"blocks (the reference GPT's configure_dynamics does it for you: GPT({gpt}))"
         )
 
 
@@ -83,35 +87,53 @@ def _mean(values: list[Any]) -> Any:
     return first
 
 
+@dataclasses.dataclass(kw_only=True)
+class RoutedSettings:
+    """What every routed dynamic is set by (Hydra: keys of its ``conf/dynamics/<name>.yaml``)."""
+
+    log_every_n_steps: int = 10
+    """Steps between logs of the layers' statistics."""
+
+    def __post_init__(self) -> None:
+        check_at_least(1, log_every_n_steps=self.log_every_n_steps)
+
+
 class RoutedDynamics(Callback):
     """Base of the dynamics whose layers route tokens or attention (early exit, MoD, MoE, sparse attention).
 
     As Lightning's ``BaseFinetuning``: the hooks are here, a subclass overrides a few methods. In ``setup`` the model
-    is asked to build its ``part`` modules (with :attr:`options`); before every training step :meth:`before_step`
-    may set their values; every ``log_every_n_steps`` steps :meth:`layer_stats` reads each local part's statistics,
-    which are merged over the processes (:func:`gather`) and turned into metrics by :meth:`layer_metrics` and
-    :meth:`model_metrics`, logged as ``<name>/layer{i}/<metric>`` and ``<name>/<metric>``.
+    is asked to build its ``part`` modules (with :meth:`model_options`); before every training step
+    :meth:`before_step` may set their values; every ``log_every_n_steps`` steps :meth:`layer_stats` reads each local
+    part's statistics, which are merged over the processes (:func:`gather`) and turned into metrics by
+    :meth:`layer_metrics` and :meth:`model_metrics`, logged as ``<name>/layer{i}/<metric>`` and ``<name>/<metric>``.
 
     A subclass names, as class keywords, ``name`` (the metric prefix, its Hydra config's name), ``part`` (the module
-    type it switches on) and ``setting`` (the model setting that adds ``part``, named when a model has none):
-    ``class MixtureOfExperts(RoutedDynamics, name="moe", part=MoEMLP, setting="MoE MLPs (GPT(n_experts=4))")``.
-
-    Args:
-        log_every_n_steps: logging interval (at least 1).
-        **options: the model's ``configure_dynamics`` options that build ``part`` (its constructor arguments).
+    type it switches on) and ``settings`` (its settings dataclass, a :class:`RoutedSettings`: one name and one default
+    per setting, the keys of its Hydra file):
+    ``class MixtureOfExperts(RoutedDynamics, name="moe", part=MoEMLP, settings=MoESettings)``. It is built from the
+    settings' fields as keyword arguments, or from one settings object: ``MixtureOfExperts(n_experts=8)``,
+    ``MixtureOfExperts(MoESettings(n_experts=8))``.
     """
 
     name: ClassVar[str]
     part: ClassVar[type[nn.Module]]
-    setting: ClassVar[str]
+    settings_class: ClassVar[type[RoutedSettings]]
 
-    def __init_subclass__(cls, *, name: str, part: type[nn.Module], setting: str, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.name, cls.part, cls.setting = name, part, setting
+    def __init_subclass__(cls, *, name: str, part: type[nn.Module], settings: type[RoutedSettings], **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.name, cls.part, cls.settings_class = name, part, settings
+        # the class's signature is its settings' fields (help(), IDEs, inspect), from the one dataclass
+        first = inspect.Parameter("settings", inspect.Parameter.POSITIONAL_ONLY, default=None, annotation=settings)
+        cls.__signature__ = fields_signature(settings, inspect.Signature([first]))  # type: ignore[attr-defined]
 
-    def __init__(self, log_every_n_steps: int = 10, **options: Any) -> None:
-        self.log_every_n_steps = max(1, log_every_n_steps)
-        self.options = options
+    def __init__(self, settings: RoutedSettings | None = None, /, **kwargs: Any) -> None:
+        cls = type(self)
+        self.settings = resolve(cls.settings_class, cls.__name__, "dynamics", settings, kwargs)
+        self.log_every_n_steps = self.settings.log_every_n_steps
+
+    def model_options(self) -> dict[str, Any]:
+        """The model's ``configure_dynamics`` options that build ``part`` (its constructor arguments)."""
+        return {}
 
     def parts(self, pl_module: pl.LightningModule) -> list[tuple[int, nn.Module]]:
         """``(layer index, part)`` of every ``part`` module this process holds."""
@@ -134,7 +156,7 @@ class RoutedDynamics(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        enable(pl_module, self.part, self.setting, **self.options)
+        enable(pl_module, self.part, **self.model_options())
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):

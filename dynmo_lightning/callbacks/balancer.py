@@ -14,6 +14,7 @@ decision is taken from per-stage sums the stages pass along the chain.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -25,101 +26,66 @@ from typing_extensions import override
 from dynmo_lightning import balance
 from dynmo_lightning.balance import CostTracker
 from dynmo_lightning.balance.placement import rank_stages
-from dynmo_lightning.balance.policy import GROW, METHODS, MIGRATE, REPACK, BalancePolicy, Decision, PipelineShape
+from dynmo_lightning.balance.policy import GROW, MIGRATE, REPACK, BalancePolicy, Decision, PipelineShape
+from dynmo_lightning.balance.settings import METHODS, BalanceSettings
 from dynmo_lightning.pipeline.groups import ON_RELEASE
 from dynmo_lightning.pipeline.release import RELEASE_TO, ReleaseHandler, make_release_handler
 from dynmo_lightning.protocol import JobShape, PipelineControl, pipeline_control
+from dynmo_lightning.settings import resolve, with_settings_signature
 
-__all__ = ["METHODS", "ON_RELEASE", "RELEASE_TO", "DynMoBalancer"]
+__all__ = ["METHODS", "ON_RELEASE", "RELEASE_TO", "BalancerSettings", "DynMoBalancer"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class BalancerSettings(BalanceSettings):
+    """:class:`DynMoBalancer`'s settings (Hydra: the keys of the ``balancer`` group).
+
+    The policy's (:class:`~dynmo_lightning.balance.settings.BalanceSettings`) and what a process released by a
+    consolidation does.
+    """
+
+    on_release: str = "exit"
+    """What a released process does: ``"exit"`` (leave ``fit`` and exit with status 0 now), ``"wait"`` (idle,
+    holding no memory for layers, until training ends) or ``"data_parallel"`` (released processes that make a whole
+    pipeline become a new data-parallel replica, splitting the batch of the replica they came from: same global
+    batch, more throughput; the rest exit)."""
+    release_to: str | ReleaseHandler = "none"
+    """Who is told of a release, to take the freed resources back: ``"none"``, ``"slurm"`` (shrink the Slurm
+    allocation to the kept nodes with ``scontrol update`` and give the survivors the resized job's environment),
+    ``"command"`` (run ``release_command`` with the release as JSON on its standard input), or a callable taking a
+    :class:`~dynmo_lightning.pipeline.release.ReleaseEvent`. Its failure is logged and never stops training."""
+    release_command: str | None = None
+    """The shell command of ``release_to="command"``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.on_release not in ON_RELEASE:
+            raise ValueError(f"balancer.on_release={self.on_release!r} is not one of {list(ON_RELEASE)}")
 
 
 class DynMoBalancer(Callback):
     """Dynamic load balancing of a :class:`~dynmo_lightning.DynMoStrategy` pipeline.
 
-    Args:
-        every_n_steps: optimizer steps between balance checks.
-        method: ``"optimal"`` (exact min-max split of measured costs, every check), ``"diffusion"`` (the neighbour
-            protocol of :mod:`~dynmo_lightning.balance.diffusion`, run at every check between the pipeline
-            neighbours with point-to-point messages, each stage knowing its own layers' costs only; it ends on the
-            same optimal split; with ``stages_per_rank > 1`` it is simulated on every process), ``"static_time"``
-            (plan once from the first profile, never again, like torchgpipe's balance_by_time), ``"params"``
-            (balance parameter counts once, like DeepSpeed), or ``"random"`` (a random split at every check; for
-            testing that migration never changes the math).
-        diffusion_mode: how ``method="diffusion"`` plans: ``"exact"`` (the bound search; the optimal split, about
-            a dozen probes of ``~3 P`` rounds) or ``"sweep"`` (prefix sums and equal-share cuts in about ``2 P``
-            rounds; its bottleneck is below the optimum plus the largest layer cost, see
-            :mod:`~dynmo_lightning.balance.sweep`).
-        min_gain: minimum predicted relative step-time improvement for a migration.
-        warmup_steps: steps before profiling starts (the first steps include one-off set-up work).
-        profile_every_n_steps: profile one step in this many (default: every ``every_n_steps // 5`` steps, at least
-            every step before a check); profiling costs a little on the profiled step only.
-        smoothing: weight of a new measurement in the moving average of layer costs.
-        memory_capacity: bytes a stage may hold (one number, or one per stage); ``None`` ignores memory.
-        p2p_seconds: predicted time of one activation transfer between stages (for the cost model).
-        seed: seed of ``method="random"``.
-        repack: after each check, consolidate onto the fewest processes predicted within ``repack_tolerance`` of
-            the current step time, and release the others (see :meth:`DynMoStrategy.shrink`).
-        repack_tolerance: accepted relative slow-down of a repack (0.05: 5 %).
-        min_world_size: never consolidate a pipeline below this many processes.
-        on_release: what a released process does: ``"exit"`` (leave ``fit`` and exit with status 0 now),
-            ``"wait"`` (idle, holding no memory for layers, until training ends) or ``"data_parallel"`` (released
-            processes that make a whole pipeline become a new data-parallel replica, splitting the batch of the
-            replica they came from: same global batch, more throughput; the rest exit).
-        release_to: who is told of a release, to take the freed resources back: ``"none"``, ``"slurm"`` (shrink the
-            Slurm allocation to the kept nodes with ``scontrol update`` and give the survivors the resized job's
-            environment), ``"command"`` (run ``release_command`` with the release as JSON on its standard input), or
-            a callable taking a :class:`~dynmo_lightning.pipeline.release.ReleaseEvent`. Its failure is logged and
-            never stops training.
-        release_command: the shell command of ``release_to="command"``.
-        react_samples: when a dynamics callback reports changed layers (frozen, pruned), their cost history
-            restarts, the next ``react_samples`` steps are profiled and a check follows at once (0: wait for the
-            regular check).
+    Every setting is a field of :class:`BalancerSettings` (its docstrings say what each does; one name and one
+    default, shared with the Hydra group ``balancer``): give them as keyword arguments,
+    ``DynMoBalancer(every_n_steps=20, repack=True)``, or as one settings object, ``DynMoBalancer(settings)``.
+
+    Raises:
+        ValueError: a setting is out of range (the message names it as ``balancer.<name>``).
+        TypeError: an unknown or renamed setting (the message names the one it is now).
     """
 
-    def __init__(
-        self,
-        every_n_steps: int = 50,
-        method: str = "optimal",
-        min_gain: float = 0.05,
-        warmup_steps: int = 5,
-        profile_every_n_steps: int | None = None,
-        smoothing: float = 0.5,
-        memory_capacity: float | list[float] | None = None,
-        p2p_seconds: float = 0.0,
-        seed: int = 0,
-        repack: bool = False,
-        repack_tolerance: float = 0.05,
-        min_world_size: int = 1,
-        on_release: str = "exit",
-        react_samples: int = 3,
-        release_to: str | ReleaseHandler = "none",
-        release_command: str | None = None,
-        diffusion_mode: str = "exact",
-    ) -> None:
-        if on_release not in ON_RELEASE:
-            raise ValueError(f"balancer.on_release={on_release!r} is not one of {list(ON_RELEASE)}")
-        self.release_to = make_release_handler(release_to, release_command)
-        self.policy = BalancePolicy(
-            method,
-            every_n_steps=every_n_steps,
-            warmup_steps=warmup_steps,
-            profile_every_n_steps=profile_every_n_steps,
-            min_gain=min_gain,
-            p2p=p2p_seconds,
-            smoothing=smoothing,
-            memory_capacity=memory_capacity,
-            repack=repack,
-            repack_tolerance=repack_tolerance,
-            min_stages=min_world_size,
-            react_samples=react_samples,
-            seed=seed,
-            diffusion_mode=diffusion_mode,
-        )
-        self.method = method
-        self.every_n_steps = every_n_steps
-        self.repack = repack
-        self.min_world_size = min_world_size
-        self.on_release = on_release
+    @with_settings_signature(BalancerSettings)
+    def __init__(self, settings: BalancerSettings | None = None, /, **kwargs: Any) -> None:
+        settings = self.settings = resolve(BalancerSettings, "DynMoBalancer", "balancer", settings, kwargs)
+        self.release_to = make_release_handler(settings.release_to, settings.release_command)
+        policy = {f.name: getattr(settings, f.name) for f in dataclasses.fields(BalanceSettings)}
+        self.policy = BalancePolicy(BalanceSettings(**policy))
+        self.method = settings.method
+        self.every_n_steps = settings.every_n_steps
+        self.repack = settings.repack
+        self.min_stages = settings.min_stages
+        self.on_release = settings.on_release
         self.history: list[dict[str, Any]] = []
         self._restored: dict[str, Any] | None = None
         self._profiling = False
@@ -157,12 +123,12 @@ class DynMoBalancer(Callback):
         """Refuse settings the job's size contradicts (the launching process calls this before any worker starts).
 
         Raises:
-            ValueError: ``min_world_size`` above the pipeline's processes, ``repack`` with several stages per rank,
+            ValueError: ``min_stages`` above the pipeline's processes, ``repack`` with several stages per rank,
                 a ``memory_capacity`` list of the wrong length or one that cannot hold the model's weights.
         """
-        if self.repack and self.min_world_size > job.pp_size:
+        if self.repack and self.min_stages > job.pp_size:
             raise ValueError(
-                f"balancer.min_world_size={self.min_world_size} > the pipeline's {job.pp_size} processes: lower it "
+                f"balancer.min_stages={self.min_stages} > the pipeline's {job.pp_size} processes: lower it "
                 "(or start more processes)"
             )
         if self.repack and job.stages_per_rank != 1:

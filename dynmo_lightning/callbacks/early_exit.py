@@ -12,70 +12,74 @@ since the last log) and ``early_exit/active_frac`` (share still active after the
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from dynmo_lightning.callbacks._dynamics import RoutedDynamics, check_at_least, check_fractions
+from dynmo_lightning.callbacks._dynamics import RoutedDynamics, RoutedSettings, check_at_least, check_fractions
 from dynmo_lightning.models.routing import EXIT_SYNC, ExitGate
 from dynmo_lightning.protocol import read_once, set_host_value
 
 
-class TokenEarlyExit(
-    RoutedDynamics, name="early_exit", part=ExitGate, setting="exit gates in its blocks (GPT(early_exit=True))"
-):
-    """Token early exit by hidden-state saturation.
+@dataclasses.dataclass(kw_only=True)
+class EarlyExitSettings(RoutedSettings):
+    """:class:`TokenEarlyExit`'s settings (Hydra: ``conf/dynamics/early_exit.yaml``)."""
 
-    Args:
-        threshold: λ in (0, 1]: a token exits after a block when cos(state in, state out) >= λ.
-        warmup_steps: steps without exits (the representations must first mean something).
-        ramp_steps: steps over which λ falls from 1 to ``threshold`` (0: at once).
-        min_layers: blocks every token passes before it may exit.
-        exit_every: exits only after every ``exit_every``-th block.
-        log_every_n_steps: steps between logs of the exit histogram.
-        sync: how often blocks read the number of active tokens from the device: ``"stage"`` once per stage and
-            micro-batch (bucketed), ``"layer"`` once per block (exact), ``"auto"`` (``"stage"`` on accelerators,
-            ``"layer"`` on CPU, where a read does not stall a device stream).
-    """
+    threshold: float = 0.9
+    """λ in (0, 1]: a token exits after a block when cos(state in, state out) >= λ. Lower exits more tokens
+    earlier: later blocks (and stages) get cheaper, and the model learns from fewer of its layers per token."""
+    warmup_steps: int = 50
+    """Steps without exits (the representations must first mean something)."""
+    ramp_steps: int = 50
+    """Steps over which λ falls from 1 (nothing exits) to ``threshold``, linearly; 0: ``threshold`` at once after
+    the warm-up. The balancer sees the cost drift along the ramp."""
+    min_layers: int = 1
+    """Blocks every token passes before it may exit."""
+    exit_every: int = 1
+    """Exits only after every ``exit_every``-th block (block ``b``, 1-based, with ``b % exit_every == 0``); fewer
+    exit points, fewer gates."""
+    sync: str = "auto"
+    """How often blocks read the number of active tokens from the device: ``"stage"`` once per stage and
+    micro-batch (bucketed), ``"layer"`` once per block (exact), ``"auto"`` (``"stage"`` on accelerators, ``"layer"``
+    on CPU, where a read does not stall a device stream)."""
 
-    def __init__(
-        self,
-        threshold: float = 0.9,
-        warmup_steps: int = 50,
-        ramp_steps: int = 50,
-        min_layers: int = 1,
-        exit_every: int = 1,
-        log_every_n_steps: int = 10,
-        sync: str = "auto",
-    ) -> None:
-        check_fractions(threshold=threshold)
-        check_at_least(0, warmup_steps=warmup_steps, ramp_steps=ramp_steps)
-        check_at_least(1, min_layers=min_layers, exit_every=exit_every)
-        if sync not in EXIT_SYNC:
-            raise ValueError(f"dynamics.sync={sync!r} must be 'auto', 'stage' or 'layer'")
-        super().__init__(log_every_n_steps, early_exit=True)
-        self.threshold = threshold
-        self.warmup_steps = warmup_steps
-        self.ramp_steps = ramp_steps
-        self.min_layers = min_layers
-        self.exit_every = exit_every
-        self.sync = sync
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_fractions(threshold=self.threshold)
+        check_at_least(0, warmup_steps=self.warmup_steps, ramp_steps=self.ramp_steps)
+        check_at_least(1, min_layers=self.min_layers, exit_every=self.exit_every)
+        if self.sync not in EXIT_SYNC:
+            raise ValueError(f"dynamics.sync={self.sync!r} must be 'auto', 'stage' or 'layer'")
+
+
+class TokenEarlyExit(RoutedDynamics, name="early_exit", part=ExitGate, settings=EarlyExitSettings):
+    """Token early exit by hidden-state saturation; set by :class:`EarlyExitSettings` (its fields, or one object)."""
+
+    settings: EarlyExitSettings
+
+    @override
+    def model_options(self) -> dict[str, Any]:
+        return {"early_exit": True}
 
     def threshold_at(self, step: int) -> float:
         """λ after ``step`` optimizer steps (above 1: exits off)."""
-        if step < self.warmup_steps:
+        s = self.settings
+        if step < s.warmup_steps:
             return 2.0
-        if self.ramp_steps == 0:
-            return self.threshold
-        t = min(1.0, (step - self.warmup_steps) / self.ramp_steps)
-        return 1.0 - t * (1.0 - self.threshold)
+        if s.ramp_steps == 0:
+            return s.threshold
+        t = min(1.0, (step - s.warmup_steps) / s.ramp_steps)
+        return 1.0 - t * (1.0 - s.threshold)
 
     @override
     def before_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         threshold = self.threshold_at(step)
         for i, gate in self.parts(pl_module):
             block = i  # pipeline layer i is block i (the embedding is layer 0)
-            gate.may_exit = block >= self.min_layers and block % self.exit_every == 0
-            gate.sync = self.sync
+            gate.may_exit = block >= self.settings.min_layers and block % self.settings.exit_every == 0
+            gate.sync = self.settings.sync
             set_host_value(gate, "threshold", threshold)
 
     @override

@@ -21,6 +21,7 @@ pipeline always does.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Any
@@ -33,6 +34,7 @@ from typing_extensions import override
 
 from dynmo_lightning.optim import drop_params
 from dynmo_lightning.protocol import all_gather, layers_changed, local_layers, pipeline_control
+from dynmo_lightning.settings import resolve, with_settings_signature
 
 MODES = ("auto", "schedule")
 
@@ -40,37 +42,37 @@ MODES = ("auto", "schedule")
 _WINDOW = "pipeline_freeze_window"
 
 
-class LayerFreezing(Callback):
-    """Freeze a growing prefix of ``pipeline_layers()`` during training.
+@dataclasses.dataclass(kw_only=True)
+class FreezingSettings:
+    """:class:`LayerFreezing`'s settings (Hydra: ``conf/dynamics/freezing.yaml``)."""
 
-    Args:
-        mode: ``"auto"`` (from gradient-norm change, AutoFreeze-style) or ``"schedule"``.
-        check_every_n_steps: window length and check interval of ``auto`` mode.
-        start_step: no freezing before this step.
-        percentile: in ``(0, 100]``; ``auto`` freezes up to the first layer whose change ratio is at least this
-            percentile of the trainable layers' ratios (lower freezes more cautiously).
-        max_frozen_fraction: at most this fraction of the layers is frozen (the head never is).
-        schedule: ``{layer index: step}`` for ``mode="schedule"``; steps must not decrease with the index (a prefix).
-    """
+    mode: str = "auto"
+    """``"auto"`` (from the gradient-norm change, AutoFreeze-style) or ``"schedule"``."""
+    check_every_n_steps: int = 25
+    """Window length and check interval of ``auto`` mode."""
+    start_step: int = 50
+    """No freezing before this step."""
+    percentile: float = 50.0
+    """In (0, 100]: ``auto`` freezes up to the first layer whose change ratio is at least this percentile of the
+    trainable layers' ratios (lower freezes more cautiously)."""
+    max_frozen_fraction: float = 0.75
+    """At most this fraction of the layers is frozen (the head never is)."""
+    schedule: dict[int, int] | None = None
+    """``{layer index: step}`` for ``mode="schedule"``; steps must not decrease with the index (a prefix)."""
 
-    def __init__(
-        self,
-        mode: str = "auto",
-        check_every_n_steps: int = 25,
-        start_step: int = 50,
-        percentile: float = 50.0,
-        max_frozen_fraction: float = 0.75,
-        schedule: dict[int, int] | None = None,
-    ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"dynamics.mode={mode!r} is not one of {list(MODES)}")
-        if not 0.0 < percentile <= 100.0:
-            raise ValueError(f"dynamics.percentile={percentile} must be in (0, 100]")
-        if not 0.0 <= max_frozen_fraction < 1.0:
-            raise ValueError(f"dynamics.max_frozen_fraction={max_frozen_fraction} must be in [0, 1)")
-        if check_every_n_steps < 1:
-            raise ValueError(f"dynamics.check_every_n_steps={check_every_n_steps} must be >= 1")
-        if mode == "schedule":
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"dynamics.mode={self.mode!r} is not one of {list(MODES)}")
+        if not 0.0 < self.percentile <= 100.0:
+            raise ValueError(f"dynamics.percentile={self.percentile} must be in (0, 100]")
+        if not 0.0 <= self.max_frozen_fraction < 1.0:
+            raise ValueError(f"dynamics.max_frozen_fraction={self.max_frozen_fraction} must be in [0, 1)")
+        if self.check_every_n_steps < 1:
+            raise ValueError(f"dynamics.check_every_n_steps={self.check_every_n_steps} must be >= 1")
+        if self.schedule is not None:  # a Hydra DictConfig, string keys: plain integers
+            self.schedule = {int(k): int(v) for k, v in self.schedule.items()}
+        schedule = self.schedule
+        if self.mode == "schedule":
             if not schedule:
                 raise ValueError("dynamics.mode='schedule' needs dynamics.schedule={layer index: step, ...}")
             steps = [int(schedule[i]) if i in schedule else None for i in range(max(map(int, schedule)) + 1)]
@@ -79,12 +81,17 @@ class LayerFreezing(Callback):
                     f"dynamics.schedule={dict(schedule)} must freeze a prefix: give layers 0..k, with steps that do "
                     "not decrease with the layer index"
                 )
-        self.mode = mode
-        self.check_every_n_steps = check_every_n_steps
-        self.start_step = start_step
-        self.percentile = percentile
-        self.max_frozen_fraction = max_frozen_fraction
-        self.schedule = {int(k): int(v) for k, v in (schedule or {}).items()}
+
+
+class LayerFreezing(Callback):
+    """Freeze a growing prefix of ``pipeline_layers()`` during training.
+
+    Set by :class:`FreezingSettings`: its fields as keyword arguments, or one settings object.
+    """
+
+    @with_settings_signature(FreezingSettings)
+    def __init__(self, settings: FreezingSettings | None = None, /, **kwargs: Any) -> None:
+        self.settings = resolve(FreezingSettings, "LayerFreezing", "dynamics", settings, kwargs)
         #: Number of frozen layers (layers ``0 .. frozen - 1``), the same on every process.
         self.frozen = 0
         self._previous: dict[int, float] | None = None
@@ -96,9 +103,10 @@ class LayerFreezing(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         n_layers = len(pl_module.pipeline_layers())
-        if self.schedule and max(self.schedule) >= n_layers - 1:
+        schedule = self.settings.schedule
+        if schedule and max(schedule) >= n_layers - 1:
             raise ValueError(
-                f"dynamics.schedule freezes layer {max(self.schedule)} but the model has {n_layers} layers and the "
+                f"dynamics.schedule freezes layer {max(schedule)} but the model has {n_layers} layers and the "
                 "last (the head) is never frozen"
             )
         self._applied = 0
@@ -110,7 +118,7 @@ class LayerFreezing(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self.mode != "auto":
+        if self.settings.mode != "auto":
             return
         for _, layer in local_layers(pl_module):
             grads = [p.grad for p in layer.parameters() if p.grad is not None]
@@ -125,13 +133,13 @@ class LayerFreezing(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        if step < self.start_step:
+        if step < self.settings.start_step:
             return
         n_layers = len(pl_module.pipeline_layers())
-        limit = min(n_layers - 1, math.floor(self.max_frozen_fraction * n_layers))
-        if self.mode == "schedule":
-            target = sum(1 for i, t in self.schedule.items() if t <= step)
-        elif step % self.check_every_n_steps == 0:
+        limit = min(n_layers - 1, math.floor(self.settings.max_frozen_fraction * n_layers))
+        if self.settings.mode == "schedule":
+            target = sum(1 for i, t in self.settings.schedule.items() if t <= step)
+        elif step % self.settings.check_every_n_steps == 0:
             target = self._decide(pl_module, n_layers)
         else:
             return
@@ -153,7 +161,7 @@ class LayerFreezing(Callback):
         if not candidates:
             return self.frozen
         ratios = {i: abs(window[i] - previous[i]) / previous[i] for i in candidates}
-        threshold = float(np.percentile(list(ratios.values()), self.percentile))
+        threshold = float(np.percentile(list(ratios.values()), self.settings.percentile))
         k = self.frozen
         while k < n_layers - 1 and k in ratios and ratios[k] < threshold:
             k += 1

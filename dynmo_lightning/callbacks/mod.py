@@ -9,52 +9,61 @@ static. Logged every ``log_every_n_steps``: ``mod/layer{b}/routed_frac`` and ``m
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from dynmo_lightning.callbacks._dynamics import RoutedDynamics, check_at_least, check_fractions
+from dynmo_lightning.callbacks._dynamics import RoutedDynamics, RoutedSettings, check_at_least, check_fractions
 from dynmo_lightning.models.routing import DepthRouter
 from dynmo_lightning.protocol import layers_changed, set_host_value
 
 
-class MixtureOfDepths(RoutedDynamics, name="mod", part=DepthRouter, setting="routers in its blocks (GPT(mod_every=2))"):
-    """Mixture of Depths with a capacity schedule.
+@dataclasses.dataclass(kw_only=True)
+class MoDSettings(RoutedSettings):
+    """:class:`MixtureOfDepths`' settings (Hydra: ``conf/dynamics/mod.yaml``)."""
 
-    Args:
-        capacity: target fraction of tokens a routed block processes, in (0, 1].
-        every: route every ``every``-th block.
-        start_capacity: capacity until ``start_step`` (1: dense).
-        start_step: when annealing starts.
-        anneal_steps: steps from ``start_capacity`` to ``capacity`` (0: at once).
-        log_every_n_steps: steps between logs of the routed fractions and the capacity.
-    """
+    capacity: float = 0.125
+    """Target fraction of tokens a routed block processes, in (0, 1]: the top ``capacity`` share of every sequence
+    by the router's score (a static ``k``, so shapes stay fixed); the others skip the block on the residual."""
+    every: int = 2
+    """Route every ``every``-th block (the MoD paper: every other one)."""
+    start_capacity: float = 1.0
+    """Capacity until ``start_step`` (1: dense, exactly the dense model)."""
+    start_step: int = 20
+    """When the anneal from ``start_capacity`` to ``capacity`` starts."""
+    anneal_steps: int = 100
+    """Steps of the linear anneal from ``start_capacity`` to ``capacity`` (0: at once at ``start_step``); the
+    routed blocks' cost drifts along it, which the balancer follows."""
 
-    def __init__(
-        self,
-        capacity: float = 0.125,
-        every: int = 2,
-        start_capacity: float = 1.0,
-        start_step: int = 20,
-        anneal_steps: int = 100,
-        log_every_n_steps: int = 10,
-    ) -> None:
-        check_fractions(capacity=capacity, start_capacity=start_capacity)
-        check_at_least(1, every=every)
-        check_at_least(0, start_step=start_step, anneal_steps=anneal_steps)
-        super().__init__(log_every_n_steps, mod_every=every, mod_capacity=start_capacity)
-        self.capacity = capacity
-        self.every = every
-        self.start_capacity = start_capacity
-        self.start_step = start_step
-        self.anneal_steps = anneal_steps
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_fractions(capacity=self.capacity, start_capacity=self.start_capacity)
+        check_at_least(1, every=self.every)
+        check_at_least(0, start_step=self.start_step, anneal_steps=self.anneal_steps)
+
+
+class MixtureOfDepths(RoutedDynamics, name="mod", part=DepthRouter, settings=MoDSettings):
+    """Mixture of Depths with a capacity schedule; set by :class:`MoDSettings` (its fields as keywords, or one)."""
+
+    settings: MoDSettings
+
+    def __init__(self, settings: MoDSettings | None = None, /, **kwargs: Any) -> None:
+        super().__init__(settings, **kwargs)
         self._routing: bool | None = None
+
+    @override
+    def model_options(self) -> dict[str, Any]:
+        return {"mod_every": self.settings.every, "mod_capacity": self.settings.start_capacity}
 
     def capacity_at(self, step: int) -> float:
         """Capacity after ``step`` optimizer steps."""
-        if step < self.start_step:
-            return self.start_capacity
-        t = 1.0 if self.anneal_steps == 0 else min(1.0, (step - self.start_step) / self.anneal_steps)
-        return self.start_capacity + t * (self.capacity - self.start_capacity)
+        s = self.settings
+        if step < s.start_step:
+            return s.start_capacity
+        t = 1.0 if s.anneal_steps == 0 else min(1.0, (step - s.start_step) / s.anneal_steps)
+        return s.start_capacity + t * (s.capacity - s.start_capacity)
 
     @override
     def before_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:

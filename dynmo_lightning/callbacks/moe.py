@@ -10,51 +10,59 @@ gradients. Logged every ``log_every_n_steps`` per MoE layer: ``moe/layer{i}/drop
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from typing_extensions import override
 
-from dynmo_lightning.callbacks._dynamics import RoutedDynamics, check_at_least
+from dynmo_lightning.callbacks._dynamics import RoutedDynamics, RoutedSettings, check_at_least
 from dynmo_lightning.models.moe import MoEMLP
 
 
-class MixtureOfExperts(RoutedDynamics, name="moe", part=MoEMLP, setting="MoE MLPs (GPT(n_experts=4))"):
-    """Mixture-of-Experts MLPs.
+@dataclasses.dataclass(kw_only=True)
+class MoESettings(RoutedSettings):
+    """:class:`MixtureOfExperts`' settings (Hydra: ``conf/dynamics/moe.yaml``)."""
 
-    Args:
-        n_experts: experts per MoE layer (>= 2).
-        every: every ``every``-th block gets an MoE MLP.
-        top_k: experts per token (1 = Switch, 2 = GShard).
-        capacity_factor: expert capacity factor (> 0), or ``None`` for dropless routing.
-        aux_loss_coef: weight of the load-balancing loss.
-        z_loss_coef: weight of the router z-loss.
-        log_every_n_steps: steps between logs of the drop rates and expert loads.
-    """
+    n_experts: int = 4
+    """Experts per MoE layer (at least 2: one expert is a dense MLP)."""
+    every: int = 2
+    """Every ``every``-th block gets an MoE MLP."""
+    top_k: int = 1
+    """Experts per token (1: Switch, 2: GShard), at most ``n_experts``."""
+    capacity_factor: float | None = 1.25
+    """Expert capacity over the even share of the tokens (> 0), or ``None`` for dropless routing."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss."""
+    z_loss_coef: float = 1e-3
+    """Weight of the router z-loss."""
 
-    def __init__(
-        self,
-        n_experts: int = 4,
-        every: int = 2,
-        top_k: int = 1,
-        capacity_factor: float | None = 1.25,
-        aux_loss_coef: float = 0.01,
-        z_loss_coef: float = 1e-3,
-        log_every_n_steps: int = 10,
-    ) -> None:
-        if n_experts < 2:
-            raise ValueError(f"dynamics.n_experts={n_experts} must be >= 2 (one expert is a dense MLP)")
-        if not 1 <= top_k <= n_experts:
-            raise ValueError(f"dynamics.top_k={top_k} must be between 1 and dynamics.n_experts={n_experts}")
-        if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"dynamics.capacity_factor={capacity_factor} must be > 0 (or null: dropless)")
-        check_at_least(1, every=every)
-        super().__init__(
-            log_every_n_steps,
-            n_experts=n_experts,
-            moe_every=every,
-            moe_top_k=top_k,
-            moe_capacity_factor=capacity_factor,
-            moe_aux_coef=aux_loss_coef,
-            moe_z_coef=z_loss_coef,
-        )
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_experts < 2:
+            raise ValueError(f"dynamics.n_experts={self.n_experts} must be >= 2 (one expert is a dense MLP)")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"dynamics.top_k={self.top_k} must be between 1 and dynamics.n_experts={self.n_experts}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"dynamics.capacity_factor={self.capacity_factor} must be > 0 (or null: dropless)")
+        check_at_least(1, every=self.every)
+
+
+class MixtureOfExperts(RoutedDynamics, name="moe", part=MoEMLP, settings=MoESettings):
+    """Mixture-of-Experts MLPs; set by :class:`MoESettings` (its fields as keywords, or one object)."""
+
+    settings: MoESettings
+
+    @override
+    def model_options(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "n_experts": s.n_experts,
+            "moe_every": s.every,
+            "moe_top_k": s.top_k,
+            "moe_capacity_factor": s.capacity_factor,
+            "moe_aux_coef": s.aux_loss_coef,
+            "moe_z_coef": s.z_loss_coef,
+        }
 
     @override
     def layer_stats(self, local: list[tuple[int, MoEMLP]]) -> dict[int, tuple[list[int], float]]:

@@ -22,6 +22,7 @@ gathered from every process, so all stages prune the same units.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dynmo_lightning.protocol import all_gather, layers_changed, local_layers
+from dynmo_lightning.settings import resolve, with_settings_signature
 
 MODES = ("structured", "unstructured")
 SCOPES = ("global", "layer")
@@ -66,66 +68,69 @@ def cubic_sparsity(step: int, initial: float, final: float, start: int, end: int
     return final + (initial - final) * (1 - (step - start) / (end - start)) ** 3
 
 
+@dataclasses.dataclass(kw_only=True)
+class PruningSettings:
+    """:class:`GradualPruning`'s settings (Hydra: ``conf/dynamics/pruning.yaml``)."""
+
+    final_sparsity: float = 0.5
+    """Target fraction removed, in [0, 1)."""
+    initial_sparsity: float = 0.0
+    """Fraction removed at ``start_step``, in [0, ``final_sparsity``]."""
+    start_step: int = 20
+    """First pruning step."""
+    end_step: int = 150
+    """Step where the final sparsity is reached (the cubic schedule of Zhu & Gupta in between)."""
+    every_n_steps: int = 10
+    """Pruning interval."""
+    mode: str = "structured"
+    """``"structured"`` (whole MLP neurons and attention heads, the matrices shrink) or ``"unstructured"``
+    (weights masked to zero; see the module docstring)."""
+    scope: str = "global"
+    """``"global"`` (rank units or weights across all layers) or ``"layer"`` (each module on its own)."""
+    min_units: int = 1
+    """Units every structured module keeps at least."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.final_sparsity < 1.0:
+            raise ValueError(f"dynamics.final_sparsity={self.final_sparsity} must be in [0, 1)")
+        if not 0.0 <= self.initial_sparsity <= self.final_sparsity:
+            raise ValueError(
+                f"dynamics.initial_sparsity={self.initial_sparsity} must be in "
+                f"[0, final_sparsity={self.final_sparsity}]"
+            )
+        if self.end_step <= self.start_step:
+            raise ValueError(f"dynamics.end_step={self.end_step} must come after dynamics.start_step={self.start_step}")
+        if self.every_n_steps < 1:
+            raise ValueError(f"dynamics.every_n_steps={self.every_n_steps} must be >= 1")
+        if self.mode not in MODES:
+            raise ValueError(f"dynamics.mode={self.mode!r} is not one of {list(MODES)}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"dynamics.scope={self.scope!r} is not one of {list(SCOPES)}")
+        if self.min_units < 1:
+            raise ValueError(f"dynamics.min_units={self.min_units} must be >= 1")
+
+
 class GradualPruning(Callback):
     """Prune gradually during training (works with and without ``DynMoStrategy``).
 
-    Args:
-        final_sparsity: target fraction removed, in ``[0, 1)``.
-        initial_sparsity: fraction removed at ``start_step``, in ``[0, final_sparsity]``.
-        start_step: first pruning step.
-        end_step: step where the final sparsity is reached.
-        every_n_steps: pruning interval.
-        mode: ``"structured"`` or ``"unstructured"`` (see the module docstring).
-        scope: ``"global"`` (rank units/weights across all layers) or ``"layer"`` (each module on its own).
-        min_units: units every structured module keeps at least.
+    Set by :class:`PruningSettings`: its fields as keyword arguments, or one settings object.
     """
 
-    def __init__(
-        self,
-        final_sparsity: float = 0.5,
-        initial_sparsity: float = 0.0,
-        start_step: int = 20,
-        end_step: int = 150,
-        every_n_steps: int = 10,
-        mode: str = "structured",
-        scope: str = "global",
-        min_units: int = 1,
-    ) -> None:
-        if not 0.0 <= final_sparsity < 1.0:
-            raise ValueError(f"dynamics.final_sparsity={final_sparsity} must be in [0, 1)")
-        if not 0.0 <= initial_sparsity <= final_sparsity:
-            raise ValueError(
-                f"dynamics.initial_sparsity={initial_sparsity} must be in [0, final_sparsity={final_sparsity}]"
-            )
-        if end_step <= start_step:
-            raise ValueError(f"dynamics.end_step={end_step} must come after dynamics.start_step={start_step}")
-        if every_n_steps < 1:
-            raise ValueError(f"dynamics.every_n_steps={every_n_steps} must be >= 1")
-        if mode not in MODES:
-            raise ValueError(f"dynamics.mode={mode!r} is not one of {list(MODES)}")
-        if scope not in SCOPES:
-            raise ValueError(f"dynamics.scope={scope!r} is not one of {list(SCOPES)}")
-        if min_units < 1:
-            raise ValueError(f"dynamics.min_units={min_units} must be >= 1")
-        self.final_sparsity = final_sparsity
-        self.initial_sparsity = initial_sparsity
-        self.start_step = start_step
-        self.end_step = end_step
-        self.every_n_steps = every_n_steps
-        self.mode = mode
-        self.scope = scope
-        self.min_units = min_units
+    @with_settings_signature(PruningSettings)
+    def __init__(self, settings: PruningSettings | None = None, /, **kwargs: Any) -> None:
+        self.settings = resolve(PruningSettings, "GradualPruning", "dynamics", settings, kwargs)
         #: Sparsity last applied.
         self.sparsity = 0.0
         self._masks: list[tuple[nn.Parameter, Tensor]] = []
 
     def sparsity_at(self, step: int) -> float:
         """Target sparsity after ``step`` optimizer steps."""
-        return cubic_sparsity(step, self.initial_sparsity, self.final_sparsity, self.start_step, self.end_step)
+        s = self.settings
+        return cubic_sparsity(step, s.initial_sparsity, s.final_sparsity, s.start_step, s.end_step)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self.mode == "unstructured" and self.sparsity > 0:
+        if self.settings.mode == "unstructured" and self.sparsity > 0:
             self._masks = [(w, w.detach() != 0) for w in _prunable_weights(pl_module)]
             for w, mask in self._masks:
                 if w.grad is not None:
@@ -140,11 +145,14 @@ class GradualPruning(Callback):
             with torch.no_grad():
                 w.mul_(mask)
         self._masks = []
-        due = self.start_step <= step <= self.end_step and (step - self.start_step) % self.every_n_steps == 0
+        due = (
+            self.settings.start_step <= step <= self.settings.end_step
+            and (step - self.settings.start_step) % self.settings.every_n_steps == 0
+        )
         target = self.sparsity_at(step)
         if not due or target <= self.sparsity:
             return
-        if self.mode == "structured":
+        if self.settings.mode == "structured":
             self._prune_units(pl_module, target, trainer.optimizers)
         else:
             self._prune_weights(pl_module, target, trainer.optimizers)
@@ -179,17 +187,17 @@ class GradualPruning(Callback):
     def _units_to_keep(self, scores: dict[Any, tuple[str, int, list[float]]], target: float) -> dict[Any, Tensor]:
         """Ascending indices of the units each module keeps; the same result on every process."""
         keep: dict[Any, Tensor] = {}
-        if self.scope == "layer":
+        if self.settings.scope == "layer":
             for key, (_, initial, s) in scores.items():
-                keep[key] = torch.tensor(_top(s, max(self.min_units, math.ceil((1 - target) * initial))))
+                keep[key] = torch.tensor(_top(s, max(self.settings.min_units, math.ceil((1 - target) * initial))))
             return keep
         for kind in sorted({kind for kind, _, _ in scores.values()}):
             keys = sorted(k for k, v in scores.items() if v[0] == kind)
             total = sum(scores[k][1] for k in keys)
-            budget = max(len(keys) * self.min_units, math.ceil((1 - target) * total))
+            budget = max(len(keys) * self.settings.min_units, math.ceil((1 - target) * total))
             # Every module keeps its min_units best units; the rest of the budget goes to the best scores anywhere.
             # Ties break by (module, unit) order, so every process picks the same units.
-            chosen = {k: set(_top(scores[k][2], min(self.min_units, len(scores[k][2])))) for k in keys}
+            chosen = {k: set(_top(scores[k][2], min(self.settings.min_units, len(scores[k][2])))) for k in keys}
             rest = sorted(
                 ((-v, n, j) for n, k in enumerate(keys) for j, v in enumerate(scores[k][2]) if j not in chosen[k])
             )
@@ -201,7 +209,7 @@ class GradualPruning(Callback):
 
     def _prune_weights(self, pl_module: pl.LightningModule, target: float, optimizers: Sequence[Optimizer]) -> None:
         weights = _prunable_weights(pl_module)
-        if self.scope == "global":
+        if self.settings.scope == "global":
             local = torch.cat([w.detach().abs().flatten().float().cpu() for w in weights]) if weights else None
             magnitudes = torch.cat([m for m in all_gather(local, pl_module.trainer) if m is not None])
             k = int(target * magnitudes.numel())

@@ -10,42 +10,50 @@ per layer: ``sparse_attention/layer{i}/density`` and ``sparse_attention/layer{i}
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 from typing_extensions import override
 
-from dynmo_lightning.callbacks._dynamics import RoutedDynamics, check_at_least, check_fractions
+from dynmo_lightning.callbacks._dynamics import RoutedDynamics, RoutedSettings, check_at_least, check_fractions
 from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention
 from dynmo_lightning.protocol import host_value
 
 
+@dataclasses.dataclass(kw_only=True)
+class SparseAttentionSettings(RoutedSettings):
+    """:class:`DynamicSparseAttention`'s settings (Hydra: ``conf/dynamics/sparse_attention.yaml``)."""
+
+    attn_block: int = 16
+    """Attention block size along the sequence (must divide the sequence length)."""
+    density: float = 1.0
+    """Starting density in (0, 1] (1: dense; the adaptation takes it from there)."""
+    target_coverage: float = 0.9
+    """Attention-mass coverage each layer's density is steered to, in (0, 1]."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_at_least(1, attn_block=self.attn_block)
+        check_fractions(density=self.density, target_coverage=self.target_coverage)
+
+
 class DynamicSparseAttention(
-    RoutedDynamics,
-    name="sparse_attention",
-    part=SparseCausalSelfAttention,
-    setting="sparse attention (GPT(attention='sparse'))",
+    RoutedDynamics, name="sparse_attention", part=SparseCausalSelfAttention, settings=SparseAttentionSettings
 ):
-    """Dynamic block-sparse attention.
+    """Dynamic block-sparse attention; set by :class:`SparseAttentionSettings` (its fields, or one object)."""
 
-    Args:
-        attn_block: attention block size along the sequence (must divide the sequence length).
-        density: starting density in (0, 1] (1: dense; the adaptation takes it from there).
-        target_coverage: attention-mass coverage each layer's density is steered to, in (0, 1].
-        log_every_n_steps: steps between logs of the densities and coverages.
-    """
+    settings: SparseAttentionSettings
 
-    def __init__(
-        self, attn_block: int = 16, density: float = 1.0, target_coverage: float = 0.9, log_every_n_steps: int = 10
-    ) -> None:
-        check_at_least(1, attn_block=attn_block)
-        check_fractions(density=density, target_coverage=target_coverage)
-        super().__init__(
-            log_every_n_steps,
-            attention="sparse",
-            attn_block=attn_block,
-            attn_density=density,
-            attn_target_coverage=target_coverage,
-        )
+    @override
+    def model_options(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "attention": "sparse",
+            "attn_block": s.attn_block,
+            "attn_density": s.density,
+            "attn_target_coverage": s.target_coverage,
+        }
 
     @override
     def layer_stats(self, local: list[tuple[int, SparseCausalSelfAttention]]) -> dict[int, tuple[float, float]]:

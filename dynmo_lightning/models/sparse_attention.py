@@ -86,9 +86,9 @@ class SparseCausalSelfAttention(CausalSelfAttention):
         if target_coverage is not None and not 0 < target_coverage <= 1:
             raise ValueError(f"model.attn_target_coverage={target_coverage} must be in (0, 1] (or None)")
         if not 0 < min_density <= 1:
-            raise ValueError(f"model.attn_min_density={min_density} must be in (0, 1]")
+            raise ValueError(f"SparseCausalSelfAttention(min_density={min_density}) must be in (0, 1]")
         if adapt_rate < 0:
-            raise ValueError(f"model.attn_adapt_rate={adapt_rate} must be >= 0")
+            raise ValueError(f"SparseCausalSelfAttention(adapt_rate={adapt_rate}) must be >= 0")
         self.attn_block = attn_block
         self.initial_density = density
         self.target_coverage = target_coverage

@@ -15,6 +15,7 @@
 * ``resize`` - the strategy's shrink and grow: consolidating onto fewer processes and re-admitting them.
 * ``runtime`` - stages and schedules of ``torch.distributed.pipelining`` from a partition (:class:`StagePlan`).
 * ``safe_load`` - reading checkpoint files without running code from them.
+* ``settings`` - :class:`StrategySettings`: the strategy's settings, one name and one default each (Hydra's too).
 * ``sharded`` - sharded checkpoints: each stage writes its layers (``torch.distributed.checkpoint``), any width reads.
 * ``split`` - the first partition; dropping other stages' layers; materialising this stage's from per-layer seeds.
 * ``stages`` - :class:`~dynmo_lightning.pipeline.stages.LocalStages`: split model, ties and runtime of one process.

@@ -87,6 +87,7 @@ def simulate_run(
     regrow: bool = False,
     profile_every_n_steps: int = 1,
     warmup_steps: int = 0,
+    stages_per_rank: int = 1,
     **settings: Any,
 ) -> RunResult:
     """Replay a cost trace under one balancing policy.
@@ -102,9 +103,10 @@ def simulate_run(
     Args:
         trace: steps as in :mod:`~dynmo_lightning.sim.traces` (e.g. from :func:`load_trace`).
         policy: one of :data:`POLICIES`.
-        n_stages: pipeline stages (one rank each) at the start.
+        n_stages: pipeline stages at the start (``stages_per_rank`` of them on each rank).
         n_microbatches: micro-batches per step.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: a schedule of :data:`~dynmo_lightning.balance.makespan.SCHEDULES` (its task order times every
+            step and every decision).
         p2p: one-hop transfer time, in the trace's time unit.
         every_n_steps: steps between checks of the dynamic policies.
         bandwidth: bytes per time unit a migration moves.
@@ -114,6 +116,8 @@ def simulate_run(
             when the full one is more than ``repack_tolerance`` faster (re-admitted ranks count again).
         profile_every_n_steps: the balancer's profiling interval (which trace steps the policy sees).
         warmup_steps: the balancer's warm-up (no profiles, no checks before it).
+        stages_per_rank: stages each rank runs (interleaved and V schedules; placement by
+            :func:`~dynmo_lightning.balance.placement.stage_ranks`); rank-seconds count ranks, not stages.
         **settings: further settings of :class:`~dynmo_lightning.balance.policy.BalancePolicy` (``min_gain``,
             ``smoothing``, ``window``, ``migration_overhead``, ``repack_tolerance``, ``min_stages``, ...).
 
@@ -124,21 +128,15 @@ def simulate_run(
         ValueError: for an unknown policy, ``params`` without ``param_bytes``, ``repack`` with a policy that never
             re-plans, a bad balancer setting, and as :func:`~dynmo_lightning.sim.simulator.simulate` does.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; valid policies: {', '.join(POLICIES)}")
-    if policy == "optimal+repack":
-        policy, repack = "optimal", True
-    if repack and policy not in ("optimal", "diffusion"):
-        raise ValueError(f"repack=True needs a policy that re-plans (optimal, diffusion), not {policy!r}")
+    policy, repack = _check_policy(policy, repack, n_stages, stages_per_rank)
     steps = check_trace(trace)
     balancer = None
     if policy not in ("uniform", "params"):
         cadence = {"every_n_steps": every_n_steps, "profile_every_n_steps": profile_every_n_steps}
-        balancer = BalancePolicy(
-            policy, warmup_steps=warmup_steps, p2p=p2p, bandwidth=bandwidth, repack=repack, **cadence, **settings
-        )
+        link = {"p2p_seconds": p2p, "bandwidth": bandwidth}
+        balancer = BalancePolicy(policy, warmup_steps=warmup_steps, repack=repack, **link, **cadence, **settings)
         balancer.start(len(steps[0]["fwd"]))
-    run = _Recorder(steps[0]["step"], _initial(steps[0], policy, n_stages))
+    run = _Recorder(steps[0]["step"], _initial(steps[0], policy, n_stages), stages_per_rank)
     simulated: dict[tuple[Any, ...], float] = {}  # traces hold long runs of equal costs: simulate each split once
     for k, entry in enumerate(steps):
         if balancer is not None:
@@ -147,12 +145,28 @@ def simulate_run(
         if key not in simulated:
             fwd, bwd, wgt = entry["fwd"], entry["bwd"], entry.get("bwd_weight")
             simulated[key] = simulate_layers(
-                fwd, bwd, run.current, n_microbatches, schedule, p2p, layer_wgt=wgt
+                fwd, bwd, run.current, n_microbatches, schedule, p2p, layer_wgt=wgt, stages_per_rank=stages_per_rank
             ).step_time
         step_time = simulated[key]
         loads = balance.stage_loads([f + b for f, b in zip(entry["fwd"], entry["bwd"], strict=True)], run.current)
         run.step(entry["step"], step_time, balance.imbalance(loads))
     return run.result(policy if not repack else f"{policy}+repack")
+
+
+def _check_policy(policy: str, repack: bool, n_stages: int, stages_per_rank: int) -> tuple[str, bool]:
+    """The policy's method and whether it repacks (``"optimal+repack"`` is both); refuses what cannot replay."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; valid policies: {', '.join(POLICIES)}")
+    if policy == "optimal+repack":
+        policy, repack = "optimal", True
+    if repack and policy not in ("optimal", "diffusion"):
+        raise ValueError(f"repack=True needs a policy that re-plans (optimal, diffusion), not {policy!r}")
+    if stages_per_rank < 1 or n_stages % stages_per_rank or (repack and stages_per_rank > 1):
+        raise ValueError(
+            f"n_stages={n_stages} with stages_per_rank={stages_per_rank}: the stages must fill every rank equally, "
+            "and consolidation (repack) runs with one stage per rank, as the balancer does"
+        )
+    return policy, repack
 
 
 def _balance(
@@ -171,7 +185,7 @@ def _balance(
     """
     if balancer.due(k):
         waiting = max(0, full_stages - len(run.current))
-        pipe = PipelineShape(run.current, len(run.current), n_microbatches, schedule, waiting=waiting)
+        pipe = PipelineShape(run.current, run.ranks, n_microbatches, schedule, waiting=waiting)
         for decision in balancer.decide(pipe):
             if decision.action in (MIGRATE, REPACK, GROW):
                 run.migrate(entry["step"], decision.proposed, decision.bytes_moved, decision.migration_s)
@@ -185,14 +199,15 @@ def _balance(
 class _Recorder:
     """Accumulates what :func:`simulate_run` reports."""
 
-    def __init__(self, step: int, layers_per_stage: list[int]) -> None:
+    def __init__(self, step: int, layers_per_stage: list[int], stages_per_rank: int = 1) -> None:
         self.current = list(layers_per_stage)
+        self.stages_per_rank = stages_per_rank
         self.steps: list[int] = []
         self.step_times: list[float] = []
         self.migration_times: list[float] = []
         self.imbalance: list[float] = []
         self.partitions = [(step, list(layers_per_stage))]
-        self.world_sizes = [(step, len(layers_per_stage))]
+        self.world_sizes = [(step, len(layers_per_stage) // stages_per_rank)]
         self.rank_seconds = 0.0
         self.bytes_moved = 0.0
         self._pending = 0.0  # migration time charged to the next step
@@ -202,9 +217,9 @@ class _Recorder:
         self.partitions.append((step, list(layers_per_stage)))
         self.bytes_moved += moved
         self._pending += seconds
-        self.rank_seconds += len(self.current) * seconds  # every rank of the pipeline waits for a migration
+        self.rank_seconds += self.ranks * seconds  # every rank of the pipeline waits for a migration
         if len(layers_per_stage) != len(self.current):
-            self.world_sizes.append((step, len(layers_per_stage)))
+            self.world_sizes.append((step, len(layers_per_stage) // self.stages_per_rank))
         self.current = list(layers_per_stage)
 
     def step(self, step: int, seconds: float, imbalance: float) -> None:
@@ -212,8 +227,13 @@ class _Recorder:
         self.step_times.append(seconds)
         self.migration_times.append(self._pending)
         self.imbalance.append(imbalance)
-        self.rank_seconds += len(self.current) * seconds
+        self.rank_seconds += self.ranks * seconds
         self._pending = 0.0
+
+    @property
+    def ranks(self) -> int:
+        """Processes of the pipeline in force."""
+        return len(self.current) // self.stages_per_rank
 
     def result(self, policy: str) -> RunResult:
         return RunResult(

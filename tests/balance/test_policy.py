@@ -179,7 +179,7 @@ def test_strategy_implements_the_callback_contract():
 
 
 def test_one_shot_methods_plan_once_and_profile_no_more():
-    policy = BalancePolicy("static_time", every_n_steps=5, profile_every_n_steps=1)
+    policy = BalancePolicy("static_time", every_n_steps=5, profile_every_n_steps=1, warmup_steps=0)
     policy.start(4)
     for step in range(5):
         assert policy.wants_profile(step)

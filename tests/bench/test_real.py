@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 import pytest
 
 from dynmo_lightning.balance import stage_times, step_time
 from dynmo_lightning.bench.real import ideal_ratio, interval95, summarize
+from dynmo_lightning.sim import simulate_layers
 
 LINK = {"p2p_latency_s": 0.0, "p2p_bytes": 0, "p2p_bytes_per_s": 1.0}
 
@@ -60,14 +62,28 @@ def test_summary_pairs_repeats_and_finds_the_lag():
     assert rows["optimal"]["reaction_lag_steps"] == lag | {"answered": 3}
 
 
-def test_zero_bubble_cases_get_no_ideal_from_the_1f1b_simulator():
+def test_zero_bubble_cases_get_the_ideal_of_their_own_schedule():
+    # eight layers, the first six frozen (forward only), under ZBV (two ranks, four stages in a V: rank 0 holds the
+    # first and the last stage, so freezing only the first half would leave the ranks even): the ideal is the uniform
+    # split's ZBV makespan over the best split's, every split timed with the weight parts of the backward
+    fwd, bwd, wgt = [1.0] * 8, [0.0] * 6 + [2.0] * 2, [0.0] * 6 + [1.0] * 2
+    costs = {"fwd": fwd, "bwd": bwd, "wgt": wgt}
+    splits = [[b - a for a, b in itertools.pairwise((0, *c, 8))] for c in itertools.combinations(range(1, 8), 3)]
+
+    def zbv(split: list[int]) -> float:
+        return simulate_layers(fwd, bwd, split, 4, "zbv", 0.0, layer_wgt=wgt, stages_per_rank=2).step_time
+
+    expected = zbv([2, 2, 2, 2]) / min(map(zbv, splits))
+    assert expected > 1.05  # the frozen half is worth rebalancing
+    assert ideal_ratio(costs, 2, 4, 0.0, "zbv", 2) == pytest.approx(expected)
     cases, results = [], {}
     for policy, speed in (("uniform", 100.0), ("optimal", 120.0)):
         name = f"freezing-{policy}-0"
         cases.append({"name": name, "dynamic": "freezing", "policy": policy, "repeat": 0, "world_size": 2,
                       "microbatches": 4, "schedule": "zbv", "stages_per_rank": 2})  # fmt: skip
         results[name] = {"tokens_per_s": speed, "val_loss": 2.0, "partitions": [], "events": [], "moves": [],
-                         "window_costs": {"fwd": [1.0] * 6, "bwd": [2.0] * 6}}  # fmt: skip
+                         "window_costs": costs}  # fmt: skip
     rows = {r["policy"]: r for r in summarize(cases, results, LINK)}
     assert rows["optimal"]["ratio"] == pytest.approx(1.2)
-    assert rows["optimal"]["ideal_ratio"] is None and rows["optimal"]["share_of_ideal"] is None
+    assert rows["optimal"]["ideal_ratio"] == pytest.approx(expected)
+    assert rows["optimal"]["share_of_ideal"] == pytest.approx(1.2 / expected)

@@ -27,6 +27,26 @@ def test_dynmo_follows_the_oracle_when_layers_freeze():
     assert result["n_microbatches"] == 16 and result["p2p_s"] == pytest.approx(1e-4 + 1e-3)
 
 
+def test_zero_bubble_compare_runs_every_policy_and_the_oracle_in_the_v():
+    # ZBV on 2 ranks: 4 stages in a V, the same 8 micro-batches (4 per rank) as 1F1B on 2 ranks
+    trace = frozen_prefix_trace()  # 16 layers; the first half frozen would leave the V's ranks even: freeze 12
+    for entry in trace:
+        if entry["step"] >= 20:
+            entry["bwd"] = [0.0 if i < 12 else b for i, b in enumerate(entry["bwd"])]
+        entry["bwd_weight"] = [b / 2 for b in entry["bwd"]]
+    zbv = compare(trace, 2, NET, policies=("uniform", "optimal"), schedule="zbv", stages_per_rank=2)
+    assert (zbv["n_stages"], zbv["n_ranks"], zbv["n_microbatches"], zbv["schedule"]) == (4, 2, 8, "zbv")
+    dynmo = zbv["policies"]["optimal"]
+    assert all(len(split) == 4 for _, split in dynmo["partitions"])
+    # the freeze unbalances the V (rank 0 holds the first and the last stage): DynMo moves and gains, within the
+    # oracle; rank-seconds count the two ranks, not the four stages
+    assert zbv["oracle"]["speedup"] >= dynmo["speedup"] > 1.02 and dynmo["n_migrations"] >= 1
+    uniform = zbv["policies"]["uniform"]
+    assert uniform["rank_seconds"] == pytest.approx(2 * uniform["total_time"]) and uniform["world_size_end"] == 2
+    with pytest.raises(ValueError, match="stages_per_rank"):
+        compare(trace, 2, NET, policies=("uniform", "optimal+repack"), schedule="zbv", stages_per_rank=2)
+
+
 def test_oracle_is_the_per_step_optimum():
     trace = frozen_prefix_trace(n_steps=5)
     static = oracle(trace, 2, n_microbatches=4, p2p=0.0)
@@ -48,3 +68,19 @@ def test_committed_scale_table_keeps_consolidations_promise():
             repack, optimal = cmp["policies"]["optimal+repack"], cmp["policies"]["optimal"]
             assert repack["speedup"] >= 0.95 * optimal["speedup"], (dynamic, p)
             assert repack["rank_seconds"] <= 1.01 * optimal["rank_seconds"], (dynamic, p)
+
+
+def test_committed_zero_bubble_table_is_complete_and_bounded_by_its_oracle():
+    # Issue 28: uniform, DynMo and the oracle under ZBV beside DynMo under 1F1B, for the six dynamics at P = 8, 16, 32
+    sim = json.loads((Path(__file__).resolve().parents[2] / "docs" / "bench" / "simulated.json").read_text())
+    dynamics = {"freezing", "pruning", "early_exit", "mod", "moe", "sparse_attention"}
+    assert dynamics <= set(sim["dynamics"])
+    for dynamic in dynamics:
+        entry = sim["dynamics"][dynamic]
+        assert set(entry["zero_bubble"]) == set(entry["by_stages"]) == {"8", "16", "32"}
+        for p, zb in entry["zero_bubble"].items():
+            assert (zb["schedule"], zb["n_ranks"], zb["n_stages"]) == ("zbv", int(p), 2 * int(p))
+            assert zb["n_microbatches"] == entry["by_stages"][p]["n_microbatches"]  # the same batch as 1F1B
+            dynmo = zb["policies"]["optimal"]
+            assert zb["policies"]["uniform"]["speedup"] == 1.0
+            assert 1.0 - 1e-9 <= dynmo["speedup"] <= zb["oracle"]["speedup"] * (1 + 1e-9), (dynamic, p)

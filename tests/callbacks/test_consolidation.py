@@ -44,7 +44,7 @@ def test_repack_plan_prefers_fewer_stages_and_keeps_bytes_in_place():
     ("kwargs", "match"),
     [
         ({"repack_tolerance": -0.1}, r"repack_tolerance=-0.1 must be >= 0"),
-        ({"min_world_size": 0}, r"min_world_size=0 must be >= 1"),
+        ({"min_stages": 0}, r"min_stages=0 must be >= 1"),
         ({"on_release": "sleep"}, r"on_release='sleep' is not one of"),
     ],
 )
@@ -75,7 +75,7 @@ def runs(tmp_path_factory):
 @pytest.mark.timeout(900)
 def test_shrinks_releases_and_keeps_the_math(runs):
     static, repack = runs["static"].summary, runs["repack"].summary
-    # with the frozen prefix costing its forward only, two stages are within the tolerance (min_world_size=2)
+    # with the frozen prefix costing its forward only, two stages are within the tolerance (min_stages=2)
     assert repack["world_size_start"] == 4 and repack["world_size_end"] == 2
     assert repack["world_size"][0]["world_size"] == 4 and repack["world_size"][-1]["world_size"] == 2
     assert len(repack["partitions"][-1]["layers_per_stage"]) == repack["world_size_end"]

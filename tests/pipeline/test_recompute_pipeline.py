@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = ["trainer.max_steps=30", "profile.trace=true", "profile.every_n_steps=3"]
 RANDOM = ["balancer=optimal", "balancer.method=random", "balancer.every_n_steps=3", "balancer.warmup_steps=0"]
 EXIT = ["dynamics=early_exit", "dynamics.warmup_steps=5", "dynamics.ramp_steps=5", "dynamics.threshold=0.6",
-        "+dynamics.sync=stage"]  # fmt: skip
+        "dynamics.sync=stage"]  # fmt: skip
 CASES = {
     "exit": EXIT,
     "freeze": [*FREEZE, "model.dropout=0.1"],

@@ -45,7 +45,7 @@ REPACK = [
     "balancer.warmup_steps=2",
     "balancer.repack=true",
     "balancer.repack_tolerance=0.5",
-    "balancer.min_world_size=2",
+    "balancer.min_stages=2",
 ]
 
 

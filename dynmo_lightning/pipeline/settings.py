@@ -1,0 +1,62 @@
+"""The strategy's settings, once: :class:`StrategySettings` (the Python API and the Hydra group ``strategy``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+from dynmo_lightning.pipeline import launcher, sharded
+from dynmo_lightning.recompute import Policy
+
+
+@dataclasses.dataclass(kw_only=True)
+class StrategySettings:
+    """:class:`~dynmo_lightning.DynMoStrategy`'s settings (Hydra: the keys of ``conf/strategy/dynmo.yaml``).
+
+    Raises:
+        ValueError: a setting is out of range or unknown (the message names it as ``strategy.<name>``).
+    """
+
+    n_microbatches: int = 4
+    """Micro-batches per batch; the batch size must be a multiple of it."""
+    schedule: str = "1f1b"
+    """``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, or a zero-bubble schedule (backward split into its input and
+    weight parts; one replica, no activation checkpointing): ``"interleaved_zb"``, ``"zbv"``, ``"dualpipev"``."""
+    partition: str | list[int] = "uniform"
+    """Initial layers per stage: ``"uniform"`` (by layer count), ``"params"`` (balance parameter counts, as
+    DeepSpeed does), or an explicit list such as ``[3, 5]``."""
+    stages_per_rank: int = 1
+    """Stages per process: 1 for GPipe and 1F1B, >= 2 for the interleaved schedules, 2 for ``"zbv"`` and
+    ``"dualpipev"`` (stages s and 2P - 1 - s on rank s)."""
+    data_parallel_size: int = 1
+    """Replicas of the pipeline (DP x PP); the number of processes must be a multiple of it. The dataloader's batch
+    size is per replica, as with DDP."""
+    timeout: float | timedelta = 300.0
+    """Seconds (or a ``timedelta``) before any collective or point-to-point operation gives up."""
+    heartbeat_timeout: float = 15.0
+    """Seconds of silence after which a process counts as lost; the others then stop with an error naming it and
+    what the job was doing (instead of waiting for ``timeout``)."""
+    process_group_backend: str | None = None
+    """``"gloo"`` or ``"nccl"``; ``None``: gloo on CPU, NCCL on CUDA devices."""
+    checkpoint_format: str = "auto"
+    """``"sharded"`` (a directory: every stage writes its own layers with ``torch.distributed.checkpoint``, any width
+    reads them), ``"single"`` (one file gathered on rank 0) or ``"auto"`` (sharded when the pipeline has more than
+    one stage). Both formats load either way. Hydra sets it from ``checkpoint.format``."""
+    activation_checkpointing: str | int | Policy | None = None
+    """Recompute layers' activations in backward instead of keeping them: ``None`` (off), ``"all"``, ``k`` (every
+    k-th layer) or ``(index, layer) -> bool`` (docs/activation_checkpointing.md)."""
+
+    def __post_init__(self) -> None:
+        launcher.check_arguments(
+            self.n_microbatches, self.schedule, self.partition, self.stages_per_rank, self.data_parallel_size,
+            self.heartbeat_timeout, self.activation_checkpointing,
+        )  # fmt: skip
+        if not isinstance(self.partition, str):  # a Hydra ListConfig, a tuple: plain integers
+            self.partition = [int(n) for n in self.partition]
+        if self.checkpoint_format not in sharded.FORMATS:
+            raise ValueError(f"checkpoint.format={self.checkpoint_format!r} is not one of {list(sharded.FORMATS)}")
+
+    @property
+    def timeout_delta(self) -> timedelta:
+        """:attr:`timeout` as a ``timedelta``."""
+        return self.timeout if isinstance(self.timeout, timedelta) else timedelta(seconds=float(self.timeout))
