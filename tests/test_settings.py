@@ -76,7 +76,7 @@ def test_the_balancer_and_its_policy_share_one_settings_class():
     balancer = DynMoBalancer(warmup_steps=7, p2p_seconds=0.01, min_stages=2)
     policy = BalancePolicy("optimal")
     assert balancer.policy.settings == BalanceSettings(warmup_steps=7, p2p_seconds=0.01, min_stages=2)
-    assert policy.warmup_steps == BalanceSettings().warmup_steps == balancer.settings.__class__().warmup_steps
+    assert policy.settings.warmup_steps == BalanceSettings().warmup_steps == balancer.settings.__class__().warmup_steps
 
 
 @pytest.mark.parametrize("path", [p for g in GROUPS for p in _files(g)], ids=lambda p: f"{p.parent.name}/{p.name}")

@@ -53,7 +53,7 @@ from dynmo_lightning.balance.planner import StepModel, makespan_split
 from dynmo_lightning.balance.repack import best_split, plan_repack
 from dynmo_lightning.balance.settings import DEFAULT_BANDWIDTH, BalanceSettings
 from dynmo_lightning.balance.tracker import CostTracker
-from dynmo_lightning.settings import build
+from dynmo_lightning.settings import resolve
 
 #: Methods that plan once and never again.
 ONE_SHOT = ("static_time", "params")
@@ -145,28 +145,13 @@ class BalancePolicy:
     """
 
     def __init__(self, method: str | BalanceSettings = "optimal", **settings: Any) -> None:
-        if isinstance(method, BalanceSettings):
-            s = dataclasses.replace(method, **settings) if settings else method
-        else:
-            s = build(BalanceSettings, "BalancePolicy", "balancer", {"method": method, **settings})
-        self.settings = s
-        self.method = s.method
-        self.diffusion_mode = s.diffusion_mode
-        self.every_n_steps = s.every_n_steps
-        self.warmup_steps = s.warmup_steps
+        given, overrides = (
+            (method, settings) if isinstance(method, BalanceSettings) else (None, {"method": method, **settings})
+        )
+        s = self.settings = resolve(BalanceSettings, "BalancePolicy", "balancer", given, overrides)
         self.profile_every_n_steps = s.profile_every_n_steps or max(1, s.every_n_steps // 5)
-        self.min_gain = s.min_gain
-        self.p2p_seconds = s.p2p_seconds
         #: Bytes per second of a migration: the setting until one is measured (:meth:`record_migration`).
         self.bandwidth = s.bandwidth
-        self.migration_overhead = s.migration_overhead
-        self.smoothing = s.smoothing
-        self.window = s.window
-        self.memory_capacity = s.memory_capacity
-        self.repack = s.repack
-        self.repack_tolerance = s.repack_tolerance
-        self.min_stages = s.min_stages
-        self.react_samples = s.react_samples
         self.tracker: CostTracker | None = None
         self.planned_once = False
         #: The most ranks the pipeline has had (with those waiting to come back): the size repack tolerances refer to.
@@ -180,21 +165,21 @@ class BalancePolicy:
     def start(self, n_layers: int) -> CostTracker:
         """Begin (or continue) measuring a model of ``n_layers`` layers; returns the tracker."""
         if self.tracker is None or self.tracker.n_layers != n_layers:
-            self.tracker = CostTracker(n_layers, self.smoothing, self.window)
+            self.tracker = CostTracker(n_layers, self.settings.smoothing, self.settings.window)
         return self.tracker
 
     @property
     def done(self) -> bool:
         """Whether the policy will never plan again (a one-shot method that has planned)."""
-        return self.method in ONE_SHOT and self.planned_once
+        return self.settings.method in ONE_SHOT and self.planned_once
 
     def wants_profile(self, step: int) -> bool:
         """Whether the step about to run (``step`` steps done before it) should be profiled."""
-        if self.method == "random" or self.done or step < self.warmup_steps:
+        if self.settings.method == "random" or self.done or step < self.settings.warmup_steps:
             return False
         if self.after_event is not None:
             return True
-        return (step + 1) % self.profile_every_n_steps == 0 or (step + 1) % self.every_n_steps == 0
+        return (step + 1) % self.profile_every_n_steps == 0 or (step + 1) % self.settings.every_n_steps == 0
 
     def observe(self, measured: dict[int, dict[str, float]]) -> None:
         """Fold one profiled step's costs (``{layer: {field: value}}``, every layer) into the tracker."""
@@ -207,19 +192,19 @@ class BalancePolicy:
 
     def layers_changed(self, layers: Iterable[int]) -> None:
         """An event: ``layers`` changed (a dynamic technique froze or pruned them); react (see the module docstring)."""
-        if self.tracker is None or self.method == "random" or self.done or not self.react_samples:
+        if self.tracker is None or self.settings.method == "random" or self.done or not self.settings.react_samples:
             return
         self.tracker.restart(layers)
         self.after_event = 0
 
     def due(self, step: int) -> bool:
         """Whether a check is due now that ``step`` optimizer steps are done."""
-        if step <= self.warmup_steps or self.done:
+        if step <= self.settings.warmup_steps or self.done:
             return False
-        reacting = self.after_event is not None and self.after_event >= self.react_samples
-        if step % self.every_n_steps and not reacting:
+        reacting = self.after_event is not None and self.after_event >= self.settings.react_samples
+        if step % self.settings.every_n_steps and not reacting:
             return False
-        return self.method in ("random", "params") or bool(self.tracker and self.tracker.samples)
+        return self.settings.method in ("random", "params") or bool(self.tracker and self.tracker.samples)
 
     def record_migration(self, moved: float, seconds: float) -> None:
         """Fold a measured migration (``moved`` bytes in ``seconds``) into the bandwidth estimate."""
@@ -230,18 +215,22 @@ class BalancePolicy:
     def plan(self, pipe: PipelineShape) -> tuple[list[int], dict[str, Any]]:
         """The split ``method`` proposes for the tracked costs (no decision, no state change but the random draw)."""
         n_layers, n_stages = sum(pipe.layers_per_stage), pipe.n_stages
-        if self.method == "random":
+        if self.settings.method == "random":
             cuts = sorted(self._rng.sample(range(1, n_layers), n_stages - 1))
             return [b - a for a, b in itertools.pairwise([0, *cuts, n_layers])], {}
-        if self.method == "params":
+        if self.settings.method == "params":
             if pipe.param_counts is None:
                 raise ValueError("method='params' needs the layers' parameter counts")
             return partition(list(pipe.param_counts), n_stages, method="params"), {}
         assert self.tracker is not None
         memory, capacity = self._memory(pipe)
-        if self.method == "diffusion":
+        if self.settings.method == "diffusion":
             result = diffuse(
-                self.tracker.compute, pipe.layers_per_stage, memory=memory, capacity=capacity, mode=self.diffusion_mode
+                self.tracker.compute,
+                pipe.layers_per_stage,
+                memory=memory,
+                capacity=capacity,
+                mode=self.settings.diffusion_mode,
             )
             return result.layers_per_stage, {"diffusion_rounds": result.rounds}
         found = makespan_split(self.step_model(pipe), n_stages, memory=memory, capacity=capacity)
@@ -266,7 +255,13 @@ class BalancePolicy:
         layers = [(compute[i], mem[i], v["fwd"][i], v["bwd"][i], moving[i]) for i in own]
         limit = shared_capacity(self._capacities(pipe))
         return DiffusionStage(
-            stage, pipe.n_stages, first, layers, n_layers=len(compute), capacity=limit, mode=self.diffusion_mode
+            stage,
+            pipe.n_stages,
+            first,
+            layers,
+            n_layers=len(compute),
+            capacity=limit,
+            mode=self.settings.diffusion_mode,
         )
 
     def decide(
@@ -294,12 +289,12 @@ class BalancePolicy:
         self.planned_once = True
         self.after_event = None
         decisions = [decision]
-        if self.repack and self.method != "random" and pipe.n_ranks > self.min_stages:
+        if self.settings.repack and self.settings.method != "random" and pipe.n_ranks > self.settings.min_stages:
             after = decision.proposed if decision.action == MIGRATE else pipe.layers_per_stage
             repack = self._repack(dataclasses.replace(pipe, layers_per_stage=after))
             if repack is not None:
                 decisions.append(repack)
-        if self.repack and self.method != "random" and pipe.waiting and len(decisions) == 1:
+        if self.settings.repack and self.settings.method != "random" and pipe.waiting and len(decisions) == 1:
             after = decision.proposed if decision.action == MIGRATE else pipe.layers_per_stage
             grow = self._grow(dataclasses.replace(pipe, layers_per_stage=after))
             if grow is not None:
@@ -322,7 +317,7 @@ class BalancePolicy:
             return best_split(model, n_stages, memory=memory, capacity=capacity)
 
         now, full = self._step_time(pipe, pipe.layers_per_stage), best(min(self.full_stages, n_layers))
-        bar = (1 + self.repack_tolerance) * (full[0] if full is not None else now)
+        bar = (1 + self.settings.repack_tolerance) * (full[0] if full is not None else now)
         if now <= bar:
             return None
         options = [
@@ -331,12 +326,12 @@ class BalancePolicy:
         if not options:
             return None
         t, split = next((o for o in options if o[0] <= bar), min(options, key=lambda o: o[0]))
-        if now - t < self.min_gain * now:
+        if now - t < self.settings.min_gain * now:
             return None
         # The re-admitted ranks join after the running ones (the kept ranks keep their order): layers change owner
         # where the new split puts them on another rank than now.
         moved = bytes_moved(pipe.layers_per_stage, split, self.layer_bytes())
-        seconds = moved / self.bandwidth + self.migration_overhead
+        seconds = moved / self.bandwidth + self.settings.migration_overhead
         admit = {"admit": len(split) - pipe.n_stages}
         return Decision(GROW, list(pipe.layers_per_stage), split, None, now, t, moved, seconds, info=admit)
 
@@ -349,7 +344,7 @@ class BalancePolicy:
         backward time before and after, and the bytes each stage receives - scalars per stage, no layer's cost.
         """
         current = list(pipe.layers_per_stage)
-        if self.method in ("random", "params") or proposed == current:
+        if self.settings.method in ("random", "params") or proposed == current:
             return Decision(MIGRATE if proposed != current else KEEP, current, proposed, info=info)
         assert self.tracker is not None
         if planned is None:
@@ -360,10 +355,10 @@ class BalancePolicy:
             before = ([o.old[2] for o in planned], [o.old[3] for o in planned])
             after = ([o.new[2] for o in planned], [o.new[3] for o in planned])
             moved = math.fsum(o.received[4] for o in planned)
-        seconds = moved / self.bandwidth + self.migration_overhead
+        seconds = moved / self.bandwidth + self.settings.migration_overhead
         now, new = (self._makespan(pipe, *t) for t in (before, after))
-        min_gain = self.min_gain if self.method != "static_time" else 0.0
-        go, saving = repartition_pays(now, new, self.every_n_steps, seconds, min_gain)
+        min_gain = self.settings.min_gain if self.settings.method != "static_time" else 0.0
+        go, saving = repartition_pays(now, new, self.settings.every_n_steps, seconds, min_gain)
         return Decision(MIGRATE if go else KEEP, current, proposed, None, now, new, moved, seconds, saving, info)
 
     def _repack(self, pipe: PipelineShape) -> Decision | None:
@@ -376,10 +371,10 @@ class BalancePolicy:
             pipe.layers_per_stage,
             n_microbatches=pipe.n_microbatches,
             schedule=pipe.schedule,
-            p2p=self.p2p_seconds,
+            p2p=self.settings.p2p_seconds,
             wgt=v.get("bwd_weight"),
-            tolerance=self.repack_tolerance,
-            min_stages=self.min_stages,
+            tolerance=self.settings.repack_tolerance,
+            min_stages=self.settings.min_stages,
             layer_bytes=self.layer_bytes(),
             memory=memory,
             capacity=capacity,
@@ -389,7 +384,7 @@ class BalancePolicy:
         )
         if plan is None:
             return None
-        seconds = plan.bytes_moved / self.bandwidth + self.migration_overhead
+        seconds = plan.bytes_moved / self.bandwidth + self.settings.migration_overhead
         return Decision(
             REPACK,
             list(pipe.layers_per_stage),
@@ -416,11 +411,11 @@ class BalancePolicy:
         """
         assert self.tracker is not None
         v = self.tracker.values
-        key = (pipe.n_microbatches, pipe.schedule, pipe.stages_per_rank, self.p2p_seconds)
+        key = (pipe.n_microbatches, pipe.schedule, pipe.stages_per_rank, self.settings.p2p_seconds)
         costs = (list(v["fwd"]), list(v["bwd"]), list(v.get("bwd_weight") or []))
         if self._model is None or self._model[0] != key or self._model[2] != costs:
             model = StepModel(
-                v["fwd"], v["bwd"], pipe.n_microbatches, pipe.schedule, self.p2p_seconds,
+                v["fwd"], v["bwd"], pipe.n_microbatches, pipe.schedule, self.settings.p2p_seconds,
                 wgt=v.get("bwd_weight"), stages_per_rank=pipe.stages_per_rank,
             )  # fmt: skip
             self._model = (key, model, costs)
@@ -436,7 +431,7 @@ class BalancePolicy:
             stage_bwd,
             pipe.n_microbatches,
             pipe.schedule,
-            self.p2p_seconds,
+            self.settings.p2p_seconds,
             stages_per_rank=pipe.stages_per_rank,
         )
 
@@ -446,10 +441,10 @@ class BalancePolicy:
         return None if capacity is None else [capacity] if isinstance(capacity, (int, float)) else list(capacity)
 
     def _memory(self, pipe: PipelineShape) -> tuple[list[float] | None, Any]:
-        if self.memory_capacity is None:
+        if self.settings.memory_capacity is None:
             return None, None
         assert self.tracker is not None
-        return self.tracker.memory(pipe.inflight), self.memory_capacity
+        return self.tracker.memory(pipe.inflight), self.settings.memory_capacity
 
     # ----------------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

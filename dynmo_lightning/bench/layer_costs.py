@@ -100,6 +100,10 @@ class LayerCost(NamedTuple):
     bwd: float
     wgt: float = 0.0
 
+    def plus(self, other: LayerCost) -> LayerCost:
+        """The cost of this call and ``other`` one after the other (field by field; ``+`` would concatenate)."""
+        return LayerCost(*(a + b for a, b in zip(self, other, strict=True)))
+
 
 def _timer(fn: Callable[[], Any], min_run_time: float) -> float:
     """Median seconds of one call of ``fn`` (``torch.utils.benchmark``: warmed up, blocked, median of blocks)."""
@@ -411,7 +415,7 @@ class CostTable:
         if frozen:
             full = self.table["block"]
             return LayerCost((attn.fwd + mlp.fwd) * full["frozen"]["fwd"] / full["trainable"]["fwd"], 0.0)
-        return LayerCost(*(a + b for a, b in zip(attn, mlp, strict=True)))
+        return attn.plus(mlp)
 
     def exit(self, active: float) -> LayerCost:
         """A block whose input has a fraction ``active`` of its tokens still active."""
@@ -430,7 +434,7 @@ class CostTable:
         total = _cost(self.table["moe_rest"])
         for n in expert_tokens:
             if n >= 1:
-                total = LayerCost(*(a + b for a, b in zip(total, self._axis("expert", n), strict=True)))
+                total = total.plus(self._axis("expert", n))
         return total
 
     def end(self, name: str) -> LayerCost:

@@ -81,11 +81,6 @@ class DynMoBalancer(Callback):
         self.release_to = make_release_handler(settings.release_to, settings.release_command)
         policy = {f.name: getattr(settings, f.name) for f in dataclasses.fields(BalanceSettings)}
         self.policy = BalancePolicy(BalanceSettings(**policy))
-        self.method = settings.method
-        self.every_n_steps = settings.every_n_steps
-        self.repack = settings.repack
-        self.min_stages = settings.min_stages
-        self.on_release = settings.on_release
         self.history: list[dict[str, Any]] = []
         self._restored: dict[str, Any] | None = None
         self._profiling = False
@@ -126,14 +121,14 @@ class DynMoBalancer(Callback):
             ValueError: ``min_stages`` above the pipeline's processes, ``repack`` with several stages per rank,
                 a ``memory_capacity`` list of the wrong length or one that cannot hold the model's weights.
         """
-        if self.repack and self.min_stages > job.pp_size:
+        if self.settings.repack and self.settings.min_stages > job.pp_size:
             raise ValueError(
-                f"balancer.min_stages={self.min_stages} > the pipeline's {job.pp_size} processes: lower it "
+                f"balancer.min_stages={self.settings.min_stages} > the pipeline's {job.pp_size} processes: lower it "
                 "(or start more processes)"
             )
-        if self.repack and job.stages_per_rank != 1:
+        if self.settings.repack and job.stages_per_rank != 1:
             raise ValueError("balancer.repack needs one stage per rank (strategy.stages_per_rank=1)")
-        capacity = self.policy.memory_capacity
+        capacity = self.settings.memory_capacity
         if capacity is None:
             return
         caps = list(capacity) if isinstance(capacity, (list, tuple)) else [float(capacity)] * job.n_stages
@@ -166,7 +161,7 @@ class DynMoBalancer(Callback):
         assert self.tracker is not None
         if saved is not None and len(saved) == strategy.n_stages:
             strategy.repartition(list(saved))
-        elif self.tracker.samples and self.method != "random":
+        elif self.tracker.samples and self.settings.method != "random":
             strategy.repartition(self.policy.plan(self._shape(strategy))[0])
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -208,7 +203,7 @@ class DynMoBalancer(Callback):
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: PipelineControl) -> None:
         t0 = time.perf_counter()
         shape = self._shape(strategy)
-        if self.method == "diffusion" and strategy.stages_per_rank == 1 and strategy.pp_size > 1:
+        if self.settings.method == "diffusion" and strategy.stages_per_rank == 1 and strategy.pp_size > 1:
             # Between neighbours: each stage plans from its own layers' costs; no per-layer cost is gathered.
             run = strategy.run_neighbours(lambda stage: self.policy.diffusion_stage(shape, stage))
             info = {"diffusion_rounds": run.rounds, "diffusion_probes": run.probes,
@@ -280,7 +275,7 @@ class DynMoBalancer(Callback):
             f"pipeline ranks kept ({decision.keep_ranks}); whole nodes freed: {freed if freed else 'none'}"
         )
         stats = strategy.shrink(
-            decision.keep_ranks, decision.proposed, on_release=self.on_release, release_to=self.release_to
+            decision.keep_ranks, decision.proposed, on_release=self.settings.on_release, release_to=self.release_to
         )
         pl_module.log_dict(
             {

@@ -119,4 +119,4 @@ def test_cards_with_lanes_round_trip():
 def test_policy_plans_in_the_configured_mode():
     with pytest.raises(ValueError, match=r"balancer.diffusion_mode='fast' is not one of"):
         BalancePolicy("diffusion", diffusion_mode="fast")
-    assert BalancePolicy("diffusion").diffusion_mode == "exact"  # the default: the optimal split
+    assert BalancePolicy("diffusion").settings.diffusion_mode == "exact"  # the default: the optimal split

@@ -64,8 +64,8 @@ def test_replayed_decisions_pay_by_the_makespan_and_match_the_simulator(dynamic,
     applied = [split for _, split in run.partitions]
     for k, tracked, policy, pipe, d in decisions:
         if d.action == MIGRATE:  # every migration taken is one the makespan model predicts to pay
-            assert repartition_pays(d.current_step_s, d.predicted_step_s, policy.every_n_steps, d.migration_s,
-                                    policy.min_gain)[0]  # fmt: skip
+            assert repartition_pays(d.current_step_s, d.predicted_step_s, policy.settings.every_n_steps, d.migration_s,
+                                    policy.settings.min_gain)[0]  # fmt: skip
         if d.action in (MIGRATE, REPACK):
             assert d.proposed in applied
         # The model's step times against the simulator's on the costs the check planned from (the closed form was
