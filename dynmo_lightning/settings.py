@@ -1,11 +1,12 @@
 r"""Components configured by one settings dataclass each: keyword arguments in, the dataclass out.
 
-A component (the balancer, the strategy) declares its settings once, as a ``@dataclass(kw_only=True)`` with a
-docstring under every field (``balance.settings.BalanceSettings``, ``callbacks.balancer.BalancerSettings``,
-``pipeline.settings.StrategySettings``). Its ``__init__`` takes ``**settings`` and :func:`build`\ s the dataclass,
-so the Python API and the Hydra group (whose keys are the same fields, with the same defaults, as
-``tests/test_settings.py`` checks) cannot drift apart; :func:`with_settings_signature` shows the fields in the
-component's signature (``help()``, IDEs, ``inspect``). Standard library only: every room may use it.
+A component (the balancer, the strategy, a dynamic) declares its settings once, as a ``@dataclass(kw_only=True)``
+with a docstring under every field (``balance.settings.BalanceSettings``, ``callbacks.balancer.BalancerSettings``,
+``pipeline.settings.StrategySettings``). Its ``__init__(self, **kwargs)`` :func:`build`\ s the dataclass, so the
+Python API and the Hydra group (whose keys are the same fields, with the same defaults, as ``tests/test_settings.py``
+checks) cannot drift apart; :func:`configured_by` gives that ``__init__`` the fields as its signature, for type
+checkers (a ``ParamSpec``) and at run time (``help()``, IDEs, LightningCLI). One settings object goes in through
+the component's ``from_settings`` (:func:`from_settings`). Standard library only: every room may use it.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import typing
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 #: Settings of earlier releases and the names they have now (a call with the old name is refused, naming the new).
 RENAMED = {"p2p": "p2p_seconds", "min_world_size": "min_stages"}
 
 S = TypeVar("S")
+C = TypeVar("C")
+P = ParamSpec("P")
 
 
 def build(cls: type[S], component: str, group: str, settings: Mapping[str, Any]) -> S:
@@ -64,34 +68,50 @@ def resolve(cls: type[S], component: str, group: str, settings: S | None, overri
     return settings
 
 
-def fields_signature(settings: type, own: inspect.Signature) -> inspect.Signature:
-    """``own`` (a component's ``__init__``) with ``settings``' fields keyword-only, and its ``**kwargs`` dropped.
+def values(settings: object) -> dict[str, Any]:
+    """A settings dataclass's fields by name, shallow (callables and lists stay the objects they are)."""
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}  # type: ignore[arg-type]
 
-    The result reads ``(self, settings=None, /, *, <fields>, <other arguments>)``.
+
+def from_settings(
+    component: Callable[..., C], settings_class: type, settings: object, overrides: Mapping[str, Any]
+) -> C:
+    """``component(**fields of settings, **overrides)``: a component built from one settings object.
+
+    Raises:
+        TypeError: ``settings`` is no ``settings_class``.
     """
-    params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    lead = [p for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY]
-    rest = [p for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY]
-    fields = [
-        inspect.Parameter(
-            f.name,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=f.default if f.default is not dataclasses.MISSING else inspect.Parameter.empty,
-            annotation=f.type,
-        )
-        for f in dataclasses.fields(settings)
-    ]
-    return inspect.Signature([*lead, *fields, *rest], return_annotation=None)
+    if not isinstance(settings, settings_class):
+        name = getattr(component, "__name__", str(component))
+        raise TypeError(f"{name}.from_settings takes a {settings_class.__name__}, got {type(settings).__name__}")
+    return component(**(values(settings) | dict(overrides)))
 
 
-def with_settings_signature(settings: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Decorate ``__init__(self, settings=None, /, *, <other arguments>, **kwargs)`` to show ``settings``' fields.
+def configured_by(
+    settings: Callable[P, object],
+) -> Callable[[Callable[..., None]], Callable[Concatenate[Any, P], None]]:
+    """Give a component's ``__init__(self, **kwargs)`` the signature of ``settings``' fields, for every reader.
 
-    See :func:`fields_signature`.
+    Static checkers and IDEs read the ``ParamSpec``: ``DynMoBalancer(every_n_step=3)`` is an error for mypy and
+    pyright, and a wrong type too. At run time ``__signature__`` lists the fields as typed keyword-only parameters
+    (annotations resolved), which is what ``help()``, ``inspect`` and LightningCLI's jsonargparse read, so a
+    ``class_path`` + ``init_args`` config builds the component. No positional parameter: jsonargparse takes every
+    positional-only one as required.
     """
 
-    def decorate(init: Callable[..., None]) -> Callable[..., None]:
-        init.__signature__ = fields_signature(settings, inspect.signature(init))  # type: ignore[attr-defined]
+    def decorate(init: Callable[..., None]) -> Callable[Concatenate[Any, P], None]:
+        hints = typing.get_type_hints(settings)
+        own = list(inspect.signature(init).parameters.values())[:1]  # self
+        fields = [
+            inspect.Parameter(
+                f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=f.default if f.default is not dataclasses.MISSING else inspect.Parameter.empty,
+                annotation=hints.get(f.name, f.type),
+            )
+            for f in dataclasses.fields(settings)  # type: ignore[arg-type]
+        ]
+        init.__signature__ = inspect.Signature([*own, *fields], return_annotation=None)  # type: ignore[attr-defined]
         return init
 
     return decorate

@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities import distributed as fabric_dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from dynmo_lightning import balance
 from dynmo_lightning.balance.diffusion import DiffusionStage
@@ -47,12 +47,12 @@ from dynmo_lightning.pipeline.precision import PipelinePrecision
 from dynmo_lightning.pipeline.reduce import GlobalNormClipping, replicas_in_sync
 from dynmo_lightning.pipeline.resize import ResizeInternals, Resizer
 from dynmo_lightning.pipeline.runtime import StagePlan, first_dim
-from dynmo_lightning.pipeline.settings import StrategySettings
+from dynmo_lightning.pipeline.settings import PLUGINS, StrategyArguments, StrategySettings
 from dynmo_lightning.pipeline.stages import LocalStages
 from dynmo_lightning.profiling import DeviceClock
 from dynmo_lightning.protocol import split_batch
 from dynmo_lightning.recompute import checkpoint_policy
-from dynmo_lightning.settings import resolve, with_settings_signature
+from dynmo_lightning.settings import build, configured_by, from_settings
 
 
 class DynMoStrategy(ParallelStrategy):
@@ -67,7 +67,8 @@ class DynMoStrategy(ParallelStrategy):
 
     Every setting is a field of :class:`~dynmo_lightning.pipeline.settings.StrategySettings` (its docstrings say
     what each does; one name and one default, shared with the Hydra group ``strategy``): give them as keyword
-    arguments, ``DynMoStrategy(n_microbatches=8, schedule="zbv", stages_per_rank=2)``, or as one settings object.
+    arguments, ``DynMoStrategy(n_microbatches=8, schedule="zbv", stages_per_rank=2)``, or as one settings object,
+    ``DynMoStrategy.from_settings(settings)``.
     ``accelerator``, ``parallel_devices``, ``cluster_environment`` (torchrun, SLURM, Lightning's own launcher),
     ``checkpoint_io`` (wrapped to write atomically) and ``precision_plugin`` (wrapped to clip by the norm over all
     stages) are set by the Trainer.
@@ -75,21 +76,11 @@ class DynMoStrategy(ParallelStrategy):
 
     strategy_name = "dynmo"
 
-    @with_settings_signature(StrategySettings)
-    def __init__(
-        self,
-        settings: StrategySettings | None = None,
-        /,
-        *,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        s = self.settings = resolve(StrategySettings, "DynMoStrategy", "strategy", settings, kwargs)
+    @configured_by(StrategyArguments)
+    def __init__(self, **kwargs: Any) -> None:
+        plugins = {name: kwargs.pop(name, None) for name in PLUGINS}
+        super().__init__(**plugins)
+        s = self.settings = build(StrategySettings, "DynMoStrategy", "strategy", kwargs)
         self.activation_checkpointing = s.activation_checkpointing
         self.n_microbatches, self.schedule, self.stages_per_rank = s.n_microbatches, s.schedule, s.stages_per_rank
         self.partition, self.data_parallel_size = s.partition, s.data_parallel_size
@@ -115,6 +106,11 @@ class DynMoStrategy(ParallelStrategy):
                                 self._use_layout, self._timeout)  # fmt: skip
         self._phase = self._resizer.heartbeats.phase  # names what the job does (a lost peer's error names it)
         self._device: torch.device | None = None  # pinned at start-up: a shrink renumbers local ranks, not devices
+
+    @classmethod
+    def from_settings(cls, settings: StrategySettings, **overrides: Any) -> Self:
+        """The strategy of one settings object (``overrides`` replace some of its fields, or give plugins)."""
+        return from_settings(cls, StrategySettings, settings, overrides)
 
     # --- processes, devices and plugins ------------------------------------------------------------------------------
     @property

@@ -89,7 +89,11 @@ def test_every_component_has_one_settings_dataclass_with_a_docstring_per_field(p
     for f in dataclasses.fields(settings):
         documented = re.search(rf"\n    {f.name}: [^\n]+\n    \"\"\"", source)
         assert documented, f"{settings.__name__}.{f.name} has no docstring"
-    assert cls(settings()).settings == settings()  # one object, or its fields as keywords
+    assert cls.from_settings(settings()).settings == settings()  # one object, or its fields as keywords
+    params = inspect.signature(cls).parameters.values()
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)  # LightningCLI requires positional ones
+    with pytest.raises(TypeError, match=f"from_settings takes a {settings.__name__}, got int"):
+        cls.from_settings(3)
 
 
 @pytest.mark.parametrize("old", sorted(RENAMED))
@@ -135,10 +139,10 @@ def test_the_strategy_takes_its_settings_as_keywords_or_one_object():
     from dynmo_lightning.pipeline.settings import StrategySettings
 
     settings = StrategySettings(n_microbatches=8, schedule="zbv", stages_per_rank=2, partition=(2, 2, 1, 1))
-    strategy = DynMoStrategy(settings)
+    strategy = DynMoStrategy.from_settings(settings)
     assert (strategy.n_microbatches, strategy.schedule, strategy.partition) == (8, "zbv", [2, 2, 1, 1])
     # keywords over an object: checked together (zbv needs its two stages per rank from the object)
-    assert DynMoStrategy(settings, n_microbatches=4).settings == StrategySettings(
+    assert DynMoStrategy.from_settings(settings, n_microbatches=4).settings == StrategySettings(
         n_microbatches=4, schedule="zbv", stages_per_rank=2, partition=[2, 2, 1, 1]
     )
     assert _settings(DynMoStrategy) == {f.name: f.default for f in dataclasses.fields(StrategySettings)}
@@ -147,4 +151,6 @@ def test_the_strategy_takes_its_settings_as_keywords_or_one_object():
     with pytest.raises(ValueError, match=r"strategy.heartbeat_timeout=0 must be > 0"):
         DynMoStrategy(heartbeat_timeout=0)
     with pytest.raises(TypeError, match="takes a StrategySettings"):
-        DynMoStrategy(BalancerSettings())
+        DynMoStrategy.from_settings(BalancerSettings())
+    with pytest.raises(TypeError, match="positional"):
+        DynMoStrategy(settings)  # type: ignore[misc]

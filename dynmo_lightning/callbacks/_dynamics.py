@@ -10,17 +10,16 @@ Hydra config (``dynamics=<dynamic>``).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from dynmo_lightning.protocol import all_gather, local_layers
-from dynmo_lightning.settings import fields_signature, resolve
+from dynmo_lightning.settings import build, from_settings
 
 
 def check_fractions(**values: float) -> None:
@@ -110,9 +109,10 @@ class RoutedDynamics(Callback):
     A subclass names, as class keywords, ``name`` (the metric prefix, its Hydra config's name), ``part`` (the module
     type it switches on) and ``settings`` (its settings dataclass, a :class:`RoutedSettings`: one name and one default
     per setting, the keys of its Hydra file):
-    ``class MixtureOfExperts(RoutedDynamics, name="moe", part=MoEMLP, settings=MoESettings)``. It is built from the
-    settings' fields as keyword arguments, or from one settings object: ``MixtureOfExperts(n_experts=8)``,
-    ``MixtureOfExperts(MoESettings(n_experts=8))``.
+    ``class MixtureOfExperts(RoutedDynamics, name="moe", part=MoEMLP, settings=MoESettings)``, and gives its
+    ``__init__`` the settings' fields as its signature (``@configured_by(MoESettings)``, read by type checkers and
+    LightningCLI). It is built from the settings' fields as keyword arguments, or from one settings object:
+    ``MixtureOfExperts(n_experts=8)``, ``MixtureOfExperts.from_settings(MoESettings(n_experts=8))``.
     """
 
     name: ClassVar[str]
@@ -122,14 +122,16 @@ class RoutedDynamics(Callback):
     def __init_subclass__(cls, *, name: str, part: type[nn.Module], settings: type[RoutedSettings], **kw: Any) -> None:
         super().__init_subclass__(**kw)
         cls.name, cls.part, cls.settings_class = name, part, settings
-        # the class's signature is its settings' fields (help(), IDEs, inspect), from the one dataclass
-        first = inspect.Parameter("settings", inspect.Parameter.POSITIONAL_ONLY, default=None, annotation=settings)
-        cls.__signature__ = fields_signature(settings, inspect.Signature([first]))  # type: ignore[attr-defined]
 
-    def __init__(self, settings: RoutedSettings | None = None, /, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         cls = type(self)
-        self.settings = resolve(cls.settings_class, cls.__name__, "dynamics", settings, kwargs)
+        self.settings = build(cls.settings_class, cls.__name__, "dynamics", kwargs)
         self.log_every_n_steps = self.settings.log_every_n_steps
+
+    @classmethod
+    def from_settings(cls, settings: RoutedSettings, **overrides: Any) -> Self:
+        """The callback of one settings object of its ``settings_class`` (``overrides`` replace some fields)."""
+        return from_settings(cls, cls.settings_class, settings, overrides)
 
     def model_options(self) -> dict[str, Any]:
         """The model's ``configure_dynamics`` options that build ``part`` (its constructor arguments)."""

@@ -21,7 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from dynmo_lightning import balance
 from dynmo_lightning.balance import CostTracker
@@ -31,7 +31,7 @@ from dynmo_lightning.balance.settings import METHODS, BalanceSettings
 from dynmo_lightning.pipeline.groups import ON_RELEASE
 from dynmo_lightning.pipeline.release import RELEASE_TO, ReleaseHandler, make_release_handler
 from dynmo_lightning.protocol import JobShape, PipelineControl, pipeline_control
-from dynmo_lightning.settings import resolve, with_settings_signature
+from dynmo_lightning.settings import build, configured_by, from_settings
 
 __all__ = ["METHODS", "ON_RELEASE", "RELEASE_TO", "BalancerSettings", "DynMoBalancer"]
 
@@ -68,16 +68,17 @@ class DynMoBalancer(Callback):
 
     Every setting is a field of :class:`BalancerSettings` (its docstrings say what each does; one name and one
     default, shared with the Hydra group ``balancer``): give them as keyword arguments,
-    ``DynMoBalancer(every_n_steps=20, repack=True)``, or as one settings object, ``DynMoBalancer(settings)``.
+    ``DynMoBalancer(every_n_steps=20, repack=True)``, or as one settings object,
+    ``DynMoBalancer.from_settings(settings)``.
 
     Raises:
         ValueError: a setting is out of range (the message names it as ``balancer.<name>``).
         TypeError: an unknown or renamed setting (the message names the one it is now).
     """
 
-    @with_settings_signature(BalancerSettings)
-    def __init__(self, settings: BalancerSettings | None = None, /, **kwargs: Any) -> None:
-        settings = self.settings = resolve(BalancerSettings, "DynMoBalancer", "balancer", settings, kwargs)
+    @configured_by(BalancerSettings)
+    def __init__(self, **kwargs: Any) -> None:
+        settings = self.settings = build(BalancerSettings, "DynMoBalancer", "balancer", kwargs)
         self.release_to = make_release_handler(settings.release_to, settings.release_command)
         policy = {f.name: getattr(settings, f.name) for f in dataclasses.fields(BalanceSettings)}
         self.policy = BalancePolicy(BalanceSettings(**policy))
@@ -87,6 +88,11 @@ class DynMoBalancer(Callback):
         #: Every layer's costs of the last step this balancer profiled (all layers, gathered from all stages).
         self.last_measured: dict[int, dict[str, float]] | None = None
         self._bound: PipelineControl | None = None
+
+    @classmethod
+    def from_settings(cls, settings: BalancerSettings, **overrides: Any) -> Self:
+        """The balancer of one settings object (``overrides`` replace some of its fields)."""
+        return from_settings(cls, BalancerSettings, settings, overrides)
 
     @property
     def tracker(self) -> CostTracker | None:

@@ -21,6 +21,7 @@ from typing_extensions import override
 from dynmo_lightning.callbacks._dynamics import RoutedDynamics, RoutedSettings, check_at_least, check_fractions
 from dynmo_lightning.models.routing import EXIT_SYNC, ExitGate
 from dynmo_lightning.protocol import read_once, set_host_value
+from dynmo_lightning.settings import configured_by
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -58,6 +59,10 @@ class TokenEarlyExit(RoutedDynamics, name="early_exit", part=ExitGate, settings=
     """Token early exit by hidden-state saturation; set by :class:`EarlyExitSettings` (its fields, or one object)."""
 
     settings: EarlyExitSettings
+
+    @configured_by(EarlyExitSettings)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
 
     @override
     def model_options(self) -> dict[str, Any]:

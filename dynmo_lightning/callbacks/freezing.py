@@ -30,11 +30,11 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from dynmo_lightning.optim import drop_params
 from dynmo_lightning.protocol import all_gather, layers_changed, local_layers, pipeline_control
-from dynmo_lightning.settings import resolve, with_settings_signature
+from dynmo_lightning.settings import build, configured_by, from_settings
 
 MODES = ("auto", "schedule")
 
@@ -86,18 +86,24 @@ class FreezingSettings:
 class LayerFreezing(Callback):
     """Freeze a growing prefix of ``pipeline_layers()`` during training.
 
-    Set by :class:`FreezingSettings`: its fields as keyword arguments, or one settings object.
+    Set by :class:`FreezingSettings`: its fields as keyword arguments, or one settings object through
+    :meth:`from_settings`.
     """
 
-    @with_settings_signature(FreezingSettings)
-    def __init__(self, settings: FreezingSettings | None = None, /, **kwargs: Any) -> None:
-        self.settings = resolve(FreezingSettings, "LayerFreezing", "dynamics", settings, kwargs)
+    @configured_by(FreezingSettings)
+    def __init__(self, **kwargs: Any) -> None:
+        self.settings = build(FreezingSettings, "LayerFreezing", "dynamics", kwargs)
         #: Number of frozen layers (layers ``0 .. frozen - 1``), the same on every process.
         self.frozen = 0
         self._previous: dict[int, float] | None = None
         self._restored_window: dict[int, float] = {}
         self._applied = 0
         self._module: pl.LightningModule | None = None
+
+    @classmethod
+    def from_settings(cls, settings: FreezingSettings, **overrides: Any) -> Self:
+        """The callback of one settings object (``overrides`` replace some of its fields)."""
+        return from_settings(cls, FreezingSettings, settings, overrides)
 
     # ----------------------------------------------------------------------------------------------------------------
     @override

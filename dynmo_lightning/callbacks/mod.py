@@ -18,6 +18,7 @@ from typing_extensions import override
 from dynmo_lightning.callbacks._dynamics import RoutedDynamics, RoutedSettings, check_at_least, check_fractions
 from dynmo_lightning.models.routing import DepthRouter
 from dynmo_lightning.protocol import layers_changed, set_host_value
+from dynmo_lightning.settings import configured_by
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -49,8 +50,9 @@ class MixtureOfDepths(RoutedDynamics, name="mod", part=DepthRouter, settings=MoD
 
     settings: MoDSettings
 
-    def __init__(self, settings: MoDSettings | None = None, /, **kwargs: Any) -> None:
-        super().__init__(settings, **kwargs)
+    @configured_by(MoDSettings)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self._routing: bool | None = None
 
     @override

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from dynmo_lightning.callbacks._dynamics import RoutedDynamics, RoutedSettings, check_at_least
 from dynmo_lightning.models.moe import MoEMLP
+from dynmo_lightning.settings import configured_by
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -51,6 +52,10 @@ class MixtureOfExperts(RoutedDynamics, name="moe", part=MoEMLP, settings=MoESett
     """Mixture-of-Experts MLPs; set by :class:`MoESettings` (its fields as keywords, or one object)."""
 
     settings: MoESettings
+
+    @configured_by(MoESettings)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
 
     @override
     def model_options(self) -> dict[str, Any]:

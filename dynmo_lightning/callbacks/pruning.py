@@ -34,10 +34,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from dynmo_lightning.protocol import all_gather, layers_changed, local_layers
-from dynmo_lightning.settings import resolve, with_settings_signature
+from dynmo_lightning.settings import build, configured_by, from_settings
 
 MODES = ("structured", "unstructured")
 SCOPES = ("global", "layer")
@@ -113,15 +113,21 @@ class PruningSettings:
 class GradualPruning(Callback):
     """Prune gradually during training (works with and without ``DynMoStrategy``).
 
-    Set by :class:`PruningSettings`: its fields as keyword arguments, or one settings object.
+    Set by :class:`PruningSettings`: its fields as keyword arguments, or one settings object through
+    :meth:`from_settings`.
     """
 
-    @with_settings_signature(PruningSettings)
-    def __init__(self, settings: PruningSettings | None = None, /, **kwargs: Any) -> None:
-        self.settings = resolve(PruningSettings, "GradualPruning", "dynamics", settings, kwargs)
+    @configured_by(PruningSettings)
+    def __init__(self, **kwargs: Any) -> None:
+        self.settings = build(PruningSettings, "GradualPruning", "dynamics", kwargs)
         #: Sparsity last applied.
         self.sparsity = 0.0
         self._masks: list[tuple[nn.Parameter, Tensor]] = []
+
+    @classmethod
+    def from_settings(cls, settings: PruningSettings, **overrides: Any) -> Self:
+        """The callback of one settings object (``overrides`` replace some of its fields)."""
+        return from_settings(cls, PruningSettings, settings, overrides)
 
     def sparsity_at(self, step: int) -> float:
         """Target sparsity after ``step`` optimizer steps."""

@@ -19,6 +19,7 @@ from typing_extensions import override
 from dynmo_lightning.callbacks._dynamics import RoutedDynamics, RoutedSettings, check_at_least, check_fractions
 from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention
 from dynmo_lightning.protocol import host_value
+from dynmo_lightning.settings import configured_by
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -44,6 +45,10 @@ class DynamicSparseAttention(
     """Dynamic block-sparse attention; set by :class:`SparseAttentionSettings` (its fields, or one object)."""
 
     settings: SparseAttentionSettings
+
+    @configured_by(SparseAttentionSettings)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
 
     @override
     def model_options(self) -> dict[str, Any]:

@@ -1,9 +1,18 @@
-"""The strategy's settings, once: :class:`StrategySettings` (the Python API and the Hydra group ``strategy``)."""
+"""The strategy's settings, once: :class:`StrategySettings` (the Python API and the Hydra group ``strategy``).
+
+:class:`StrategyArguments` adds the Lightning plugins the Trainer sets: together they are ``DynMoStrategy``'s
+keyword arguments (its signature, for type checkers and LightningCLI).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 
 from dynmo_lightning.pipeline import launcher, sharded
 from dynmo_lightning.recompute import Policy
@@ -60,3 +69,26 @@ class StrategySettings:
     def timeout_delta(self) -> timedelta:
         """:attr:`timeout` as a ``timedelta``."""
         return self.timeout if isinstance(self.timeout, timedelta) else timedelta(seconds=float(self.timeout))
+
+
+#: The Lightning plugins a strategy takes besides its settings (as ``DDPStrategy`` does); the Trainer sets them.
+PLUGINS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
+
+
+@dataclasses.dataclass(kw_only=True)
+class StrategyArguments(StrategySettings):
+    """Every keyword argument of :class:`~dynmo_lightning.DynMoStrategy`: its settings and Lightning's plugins.
+
+    Only its signature is used (what ``DynMoStrategy(...)`` accepts); the plugins are usually left to the Trainer.
+    """
+
+    accelerator: Accelerator | None = None
+    """The accelerator (the Trainer's ``accelerator``)."""
+    parallel_devices: list[torch.device] | None = None
+    """This node's devices, one per process (the Trainer's ``devices``)."""
+    cluster_environment: ClusterEnvironment | None = None
+    """Where ranks and addresses come from: Lightning's launcher, torchrun, Slurm."""
+    checkpoint_io: CheckpointIO | None = None
+    """Writes and reads checkpoint files (wrapped to write atomically)."""
+    precision_plugin: Precision | None = None
+    """The precision plugin (wrapped to clip by the norm over all stages)."""
