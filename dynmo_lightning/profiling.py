@@ -44,8 +44,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
-from dynmo_lightning.protocol import as_tuple, call_layer
+from dynmo_lightning.protocol import as_tuple, call_layer, local_part
 from dynmo_lightning.recompute import checkpointed_call
 
 
@@ -137,6 +138,10 @@ class LayerProfiler:
         self._calls += 1
         for offset, layer in enumerate(layers):
             index = first_index + offset
+            if isinstance(layer, FSDPModule):
+                # FSDP2 gathers the weights at the forward anyway (kept for the step under a pipeline): gathered
+                # first, the hooks below watch the parameters autograd computes with, not the shards.
+                layer.unshard()
             self._mark(x, (call, index))
             if not any(t.requires_grad for t in as_tuple(x) if isinstance(t, Tensor)):
                 self._watch_params(index, layer)
@@ -160,7 +165,7 @@ class LayerProfiler:
         (a checkpointed layer's input is kept, not rebuilt), parameters never. Storages are told apart by identity,
         not address: what a checkpoint saves is freed at once, and the next tensor may take its address.
         """
-        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        params = {local_part(p).untyped_storage().data_ptr() for p in layer.parameters()}
         seen: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
         def add(t: Tensor, into: dict[int, int]) -> None:
@@ -289,13 +294,21 @@ class LayerProfiler:
 
 
 def static_memory(layer: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int]:
-    """Bytes of a layer's parameters (and buffers), of its gradients, and of its optimizer state."""
-    params = sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
-    grads = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+    """Bytes of a layer's parameters (and buffers), of its gradients, and of its optimizer state on this process.
+
+    Of a sharded layer (FSDP2) the shards this process holds: ``1/D`` of the whole over ``D`` replicas.
+    """
+
+    def size(t: Tensor) -> int:
+        part = local_part(t)
+        return part.numel() * part.element_size()
+
+    params = sum(size(t) for t in (*layer.parameters(), *layer.buffers()))
+    grads = sum(size(p) for p in layer.parameters() if p.requires_grad)
     optim = 0
     if optimizer is not None:
         for p in layer.parameters():
             for v in optimizer.state.get(p, {}).values():
                 if isinstance(v, Tensor):
-                    optim += v.numel() * v.element_size()
+                    optim += size(v)
     return params, grads, optim

@@ -42,6 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 import lightning.pytorch as L
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 #: Seeds of different layers are spread this far apart so that nearby base seeds never collide.
 _SEED_STRIDE = 1_000_003
@@ -273,6 +274,15 @@ def may_leave_parameters_unused(module: nn.Module) -> bool:
     return any(callable(hook := getattr(m, "pipeline_unused_parameters", None)) and hook() for m in module.modules())
 
 
+def local_part(t: Tensor) -> Tensor:
+    """The part of ``t`` this process holds: a DTensor's local shard (FSDP2 sharding), any other tensor itself.
+
+    Element-wise work on a layer's weights (pruning masks, norms summed per process) runs on this part, with no
+    collective.
+    """
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def read_once(values: Sequence[Tensor | float]) -> list[float]:
     """Python numbers of ``values`` (scalar tensors or numbers) with one device read for all the tensors."""
     tensors = [v for v in values if isinstance(v, Tensor)]
@@ -378,17 +388,24 @@ class JobShape:
         pp_size: processes of one pipeline.
         stages_per_rank: pipeline stages per process.
         layer_param_bytes: bytes of every pipeline layer's parameters (``None``: unknown without building the model).
+        data_parallel: how replicas share a stage's layers (``"ddp"``, ``"replicate"`` or ``"fsdp"``).
     """
 
     world_size: int
     pp_size: int
     stages_per_rank: int
     layer_param_bytes: list[int] | None
+    data_parallel: str = "ddp"
 
     @property
     def n_stages(self) -> int:
         """Pipeline stages."""
         return self.pp_size * self.stages_per_rank
+
+    @property
+    def held_fraction(self) -> float:
+        """The part of each of its layers a process holds: ``1 / replicas`` under ``"fsdp"``, else all of it."""
+        return self.pp_size / self.world_size if self.data_parallel == "fsdp" else 1.0
 
 
 @runtime_checkable
@@ -411,6 +428,8 @@ class PipelineControl(Protocol):
     n_microbatches: int
     schedule: str
     stages_per_rank: int
+    #: How replicas share a stage's layers: ``"ddp"`` (whole), ``"replicate"`` (whole, DTensors), ``"fsdp"`` (shards).
+    data_parallel: str
 
     @property
     def world_size(self) -> int:
@@ -530,6 +549,14 @@ class PipelineControl(Protocol):
 
     def replicas_in_sync(self) -> bool:
         """Whether every replica holds the same parameters and buffers (collective)."""
+        ...
+
+    def shard_sum(self, values: Tensor) -> Tensor:
+        """``values`` summed over the processes holding the other parts of the same layers (collective over them).
+
+        ``values`` are per local layer, computed from this process's part of each; where every process holds its
+        layers whole, ``values`` itself.
+        """
         ...
 
 

@@ -25,7 +25,7 @@ from lightning.fabric.utilities import distributed as fabric_dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -48,6 +48,7 @@ from dynmo_lightning.pipeline.reduce import GlobalNormClipping, replicas_in_sync
 from dynmo_lightning.pipeline.resize import ResizeInternals, Resizer
 from dynmo_lightning.pipeline.runtime import StagePlan, first_dim
 from dynmo_lightning.pipeline.settings import PLUGINS, StrategyArguments, StrategySettings
+from dynmo_lightning.pipeline.sharding import FSDP_MODES, StageSharding, full_tensors
 from dynmo_lightning.pipeline.stages import LocalStages
 from dynmo_lightning.profiling import DeviceClock
 from dynmo_lightning.protocol import split_batch
@@ -83,7 +84,7 @@ class DynMoStrategy(ParallelStrategy):
         s = self.settings = build(StrategySettings, "DynMoStrategy", "strategy", kwargs)
         self.activation_checkpointing = s.activation_checkpointing
         self.n_microbatches, self.schedule, self.stages_per_rank = s.n_microbatches, s.schedule, s.stages_per_rank
-        self.partition, self.data_parallel_size = s.partition, s.data_parallel_size
+        self.partition, self.data_parallel_size, self.data_parallel = s.partition, s.data_parallel_size, s.data_parallel
         self._timeout, self.heartbeat_timeout = s.timeout_delta, float(s.heartbeat_timeout)
         self.checkpoint_format = s.checkpoint_format
         self.process_group_backend = s.process_group_backend  # resolved per device at start-up
@@ -219,7 +220,9 @@ class DynMoStrategy(ParallelStrategy):
 
     def _use_layout(self, layout: ReplicaLayout) -> None:
         """Adopt ``layout`` in the current world (collective; refuses a backend that cannot move this device's data)."""
-        self._layout, self._mesh = layout, make_mesh(layout, self.global_rank, self._timeout, self.root_device)
+        units = self.data_parallel in FSDP_MODES
+        self._layout = layout
+        self._mesh = make_mesh(layout, self.global_rank, self._timeout, self.root_device, unit_groups=units)
 
     # --- start-up ----------------------------------------------------------------------------------------------------
     @override
@@ -273,10 +276,12 @@ class DynMoStrategy(ParallelStrategy):
                 module, self.partition, self._pipe, self._tie_layout, stages_per_rank=self.stages_per_rank,
                 schedule=self.schedule, n_microbatches=self.n_microbatches, device=self.root_device,
                 timeout=self._timeout, recompute=checkpoint_policy(self.activation_checkpointing),
+                sharding=self._sharding(),
             )  # fmt: skip
             self.partitions = [{"step": 0, "layers_per_stage": self.layers_per_stage}]
         self.precision_plugin.convert_module(module)
         self.model_to_device()
+        self._stages.shard()  # FSDP2 / replicate units, before the optimizers see the parameters
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             with self._phase("set-up (tied parameters' optimizer settings)"):
@@ -284,9 +289,18 @@ class DynMoStrategy(ParallelStrategy):
                 stages.ties.check_shapes(stages.slots, stages.plan, self.pp_rank, self.optimizers)
         self.setup_precision_plugin()
         order = self._stages.split.param_order
-        self.precision_plugin.clip_by_norm = GlobalNormClipping(order, self._stages.param_names, lambda: self._pipe)
+        self.precision_plugin.clip_by_norm = GlobalNormClipping(
+            order, self._stages.param_names, lambda: self._pipe, sharded=self.data_parallel == "fsdp"
+        )
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _sharding(self) -> StageSharding:
+        """How replicas share the stages' layers (``data_parallel``); bf16-mixed computes in bf16 under FSDP2."""
+        inner = self.precision_plugin.inner
+        bf16 = isinstance(inner, MixedPrecision) and inner.precision == "bf16-mixed"
+        dtype = torch.bfloat16 if bf16 and self.data_parallel in FSDP_MODES else None
+        return StageSharding(self.data_parallel, lambda: self._mesh.replica_mesh, self.root_device, dtype)
 
     @override
     def model_to_device(self) -> None:
@@ -330,8 +344,9 @@ class DynMoStrategy(ParallelStrategy):
         params = [p for p in module.parameters() if p.requires_grad]
         step = module.trainer.global_step
         replicas = self._mesh.dp_group if self._mesh is not None else None
+        host = self._mesh.dp_control if self._mesh is not None else None
         with self._phase(f"training step {step} (pipeline schedule)"), self.precision_plugin.train_step_context():
-            loss = self._stages.train(inputs, target, params, replicas)
+            loss = self._stages.train(inputs, target, params, replicas, host)
         self._schedule_span = (clock, start, clock.now())
         if replicas is not None:
             with self._phase(f"training step {step} (loss and buffers over replicas)"):
@@ -395,12 +410,24 @@ class DynMoStrategy(ParallelStrategy):
         """Whether every replica holds bit-identical parameters and persistent buffers (collective over the job)."""
         assert self.lightning_module is not None and self._mesh is not None
         state = self.lightning_module.state_dict()
-        return replicas_in_sync(state, self._mesh.dp_group, self.dp_size, self._pipe.device)
+        return replicas_in_sync(state, self._mesh.dp_control, self.dp_size, self._pipe.device)
 
     def param_norm(self) -> float:
         """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once."""
         assert self._stages is not None
-        return self._stages.param_norm()
+        return self._stages.param_norm(self._shard_group())
+
+    def shard_sum(self, values: Tensor) -> Tensor:
+        """``values`` summed over the replicas under ``data_parallel="fsdp"`` (each holds a shard of the layers)."""
+        group = self._shard_group()
+        if group is not None:
+            values = values.clone()
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+        return values
+
+    def _shard_group(self) -> dist.ProcessGroup | None:
+        """The replicas' group when they hold shards of the same layers (``None``: every process holds whole ones)."""
+        return self._mesh.dp_group if self._mesh is not None and self.data_parallel == "fsdp" else None
 
     def tie_layers(self, param: Tensor) -> set[int]:
         """Indices of all pipeline layers sharing ``param`` (a local parameter) in the unsplit model; empty if none."""
@@ -414,7 +441,7 @@ class DynMoStrategy(ParallelStrategy):
     def profile_results(self) -> dict[int, dict[str, float]] | None:
         """Every layer's measured costs of the step just profiled (collective), or ``None`` if it was not profiled."""
         assert self._stages is not None and self._mesh is not None
-        replicas = (self._mesh.dp_group, self.dp_size) if self._mesh.dp_group is not None else None
+        replicas = (self._mesh.dp_control, self.dp_size) if self._mesh.dp_group is not None else None
         return self._stages.profile_results(self.optimizers[0] if self.optimizers else None, replicas)
 
     def on_layers_changed(self, layers: list[int] | None = None) -> None:
@@ -507,13 +534,21 @@ class DynMoStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.dp_rank != 0 or self._layout is None:
+        split = self.data_parallel == "fsdp"  # every replica holds shards: all of them write
+        if (self.dp_rank != 0 and not split) or self._layout is None:
             return  # replicas are identical: the first one writes
         checkpoint["dynmo"] = ckpt.record_layout(self.partitions, self.world_size, self._layout)
-        shard = self.checkpoint_format == "sharded" or (self.checkpoint_format == "auto" and self.pp_size > 1)
+        auto = self.pp_size > 1 or split
+        shard = self.checkpoint_format == "sharded" or (self.checkpoint_format == "auto" and auto)
         with self._phase(f"checkpoint save ({os.fspath(filepath)})"):
             if shard and "://" not in os.fspath(filepath):  # DCP's writer is a file system's (remote: one file)
-                return sharded.save_sharded(checkpoint, filepath, self._pipe)
+                writers = (self._mesh.control, self._layout.global_rank(0, 0), self.dp_rank == 0) if split else None
+                return sharded.save_sharded(checkpoint, filepath, self._pipe, shards=writers)
+            if self.data_parallel in FSDP_MODES:  # one file: whole tensors (gathered over the replicas under fsdp)
+                checkpoint["state_dict"] = full_tensors(checkpoint.get("state_dict", {}))
+                checkpoint["optimizer_states"] = full_tensors(checkpoint.get("optimizer_states"))
+            if self.dp_rank != 0:
+                return
             merged = ckpt.gather_checkpoint(checkpoint, self._pipe)
         if merged is not None and self.is_global_zero:
             self.checkpoint_io.save_checkpoint(merged, filepath, storage_options=storage_options)
@@ -534,7 +569,9 @@ class DynMoStrategy(ParallelStrategy):
         assert self.lightning_module is not None and self._stages is not None
         keys = self._stages.split.state_keys
         if sharded.SHARDS_KEY in checkpoint:
-            return sharded.load_stage_model(self.lightning_module, checkpoint[sharded.SHARDS_KEY], keys, strict)
+            group = self._mesh.control if self._mesh is not None else None
+            shards = checkpoint[sharded.SHARDS_KEY]
+            return sharded.load_stage_model(self.lightning_module, shards, keys, strict, group)
         ckpt.load_local_state(self.lightning_module, checkpoint["state_dict"], keys, strict)
 
     @override
@@ -542,12 +579,14 @@ class DynMoStrategy(ParallelStrategy):
         assert self._stages is not None
         names = self._stages.param_names()
         shards = checkpoint.get(sharded.SHARDS_KEY)
+        group = self._mesh.control if self._mesh is not None else None
         for i, (optimizer, saved) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"], strict=True)):
             if shards is not None:
-                optimizer.load_state_dict(sharded.load_stage_optimizer(optimizer, i, saved, shards, names))
+                optimizer.load_state_dict(sharded.load_stage_optimizer(optimizer, i, saved, shards, names, group))
             else:
                 optimizer.load_state_dict(ckpt.local_optimizer_state(saved, optimizer, names))
             _optimizer_to_device(optimizer, self.root_device)
+            ckpt.shard_optimizer_state(optimizer)
 
     @override
     def teardown(self) -> None:

@@ -118,7 +118,7 @@ class DynMoBalancer(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._bound = control = self._strategy(trainer)
         world = control.pp_size * control.dp_size
-        self.pipeline_check_job(JobShape(world, control.pp_size, control.stages_per_rank, None))
+        self.pipeline_check_job(JobShape(world, control.pp_size, control.stages_per_rank, None, control.data_parallel))
 
     def pipeline_check_job(self, job: JobShape) -> None:
         """Refuse settings the job's size contradicts (the launching process calls this before any worker starts).
@@ -134,6 +134,14 @@ class DynMoBalancer(Callback):
             )
         if self.settings.repack and job.stages_per_rank != 1:
             raise ValueError("balancer.repack needs one stage per rank (strategy.stages_per_rank=1)")
+        if self.settings.repack and job.data_parallel != "ddp":
+            # A consolidation restarts the world on fewer processes: units would have to be sharded again over new
+            # replica groups, and released processes joining as replicas would reshard every layer.
+            raise ValueError(
+                f"balancer.repack with strategy.data_parallel={job.data_parallel!r} is not supported: consolidation "
+                "restarts the world, and FSDP2 / replicate units cannot follow it yet. Use balancer.repack=false "
+                "(layers still move between stages), or strategy.data_parallel='ddp'"
+            )
         capacity = self.settings.memory_capacity
         if capacity is None:
             return
@@ -143,7 +151,7 @@ class DynMoBalancer(Callback):
                 f"balancer.memory_capacity has {len(caps)} entries for the job's {job.n_stages} pipeline stages: "
                 "give one number (every stage) or one per stage"
             )
-        sizes = job.layer_param_bytes
+        sizes = [int(b * job.held_fraction) for b in job.layer_param_bytes or []]  # a shard per process under fsdp
         if sizes and (max(sizes) > max(caps) or sum(sizes) > sum(caps)):
             raise ValueError(
                 f"balancer.memory_capacity={capacity} bytes cannot hold the model: its largest layer's weights "

@@ -18,13 +18,14 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from dynmo_lightning.pipeline import transport
 from dynmo_lightning.pipeline.layout import PipelineGroup, ReplicaLayout
 from dynmo_lightning.pipeline.safe_load import CheckpointRefused
+from dynmo_lightning.pipeline.sharding import shard_like
 
 #: Marks optimizer state written in the named format.
 NAMED_FORMAT = "dynmo-named-v1"
@@ -112,6 +113,16 @@ def local_optimizer_state(named: Mapping[str, Any], optimizer: Optimizer, names:
     return {"state": state, "param_groups": groups}
 
 
+def shard_optimizer_state(optimizer: Optimizer) -> None:
+    """Lay out whole state tensors of sharded parameters (a loaded single file) as their parameters (FSDP2)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for k, v in state.items():
+                if isinstance(v, Tensor) and tuple(v.shape) == tuple(p.shape):
+                    state[k] = shard_like(v, p)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # One file from all stages
 # ---------------------------------------------------------------------------------------------------------------------
@@ -190,14 +201,17 @@ def check_keys(local: Iterable[str], saved: Collection[str], global_keys: Collec
 def load_local_state(module: nn.Module, saved: Mapping[str, Any], global_keys: set[str], strict: bool) -> None:
     """Load this stage's part of a whole-model state dict into ``module`` (which holds this stage's layers).
 
+    A tensor the module holds sharded (FSDP2) takes this process's part of the whole one in the file.
+
     Raises:
         RuntimeError: the checkpoint does not match the model (missing or unexpected keys, other shapes).
     """
-    local = module.state_dict().keys()
+    local = module.state_dict()
     if strict:
-        check_keys(local, saved.keys(), global_keys)
+        check_keys(local.keys(), saved.keys(), global_keys)
     try:
-        module.load_state_dict({k: saved[k] for k in local if k in saved}, strict=strict)
+        # a whole tensor of the file goes into a sharded one (FSDP2) as this process's part of it
+        module.load_state_dict({k: shard_like(saved[k], local[k]) for k in local if k in saved}, strict=strict)
     except RuntimeError as e:
         details = [line.strip() for line in str(e).splitlines()[1:]]
         more = f" and {len(details) - 3} more" if len(details) > 3 else ""

@@ -19,13 +19,17 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from dynmo_lightning.balance.placement import V_SCHEDULES
 from dynmo_lightning.launch import end_world_at_exit
 from dynmo_lightning.pipeline.evaluation import EVAL_HOOK
 from dynmo_lightning.pipeline.layout import check_batch
 from dynmo_lightning.pipeline.runtime import SCHEDULES, SPLIT_BACKWARD
+from dynmo_lightning.pipeline.sharding import FSDP_MODES
+from dynmo_lightning.pipeline.sharding import MODES as DATA_PARALLEL
 from dynmo_lightning.pipeline.split import PARTITIONS, initial_partition
 from dynmo_lightning.protocol import JobShape, PipelineModule, PreLaunchCheck, ProtocolError, check_protocol
 from dynmo_lightning.recompute import checkpoint_policy
@@ -39,6 +43,7 @@ def check_arguments(
     data_parallel_size: Any,
     heartbeat_timeout: float,
     activation_checkpointing: Any = None,
+    data_parallel: Any = "ddp",
 ) -> None:
     """Refuse bad ``DynMoStrategy`` arguments with a message naming the setting.
 
@@ -59,23 +64,31 @@ def check_arguments(
         raise ValueError(f"strategy.data_parallel_size={data_parallel_size!r} must be a positive integer")
     if heartbeat_timeout <= 0:
         raise ValueError(f"strategy.heartbeat_timeout={heartbeat_timeout} must be > 0 seconds")
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(
+            f"strategy.data_parallel={data_parallel!r} is not one of {list(DATA_PARALLEL)} (ddp: whole stages "
+            "per replica; fsdp: FSDP2 shards every layer over the replicas; replicate: torch's FSDP-based replicate)"
+        )
     checkpoint_policy(activation_checkpointing)
     if schedule in SPLIT_BACKWARD:
-        check_split_backward(schedule, data_parallel_size, activation_checkpointing)
+        check_split_backward(schedule, data_parallel_size, activation_checkpointing, data_parallel)
 
 
-def check_split_backward(schedule: str, data_parallel_size: int, activation_checkpointing: Any) -> None:
+def check_split_backward(
+    schedule: str, data_parallel_size: int, activation_checkpointing: Any, data_parallel: str = "ddp"
+) -> None:
     """Refuse what a zero-bubble schedule (backward split into its input and weight parts) cannot run exactly.
 
     Raises:
-        ValueError: data-parallel replicas or activation checkpointing with such a schedule.
+        ValueError: DDP replicas or activation checkpointing with such a schedule.
     """
-    if data_parallel_size > 1:
-        # torch's weight pass assigns `.grad` itself, past the gradient hooks DDP's reducer averages in.
+    if data_parallel_size > 1 and data_parallel == "ddp":
+        # torch's weight pass assigns `.grad` itself, past the gradient hooks DDP's reducer averages in; the
+        # pipeline stage runs FSDP2's and replicate's reduction itself after the last weight pass.
         raise ValueError(
             f"strategy.schedule={schedule!r} splits every backward into an input and a weight pass, and the "
-            "weight pass bypasses DDP's gradient averaging: it runs one pipeline replica only. Set "
-            "strategy.data_parallel_size=1, or use schedule='interleaved_1f1b' (or '1f1b') with replicas."
+            "weight pass bypasses DDP's gradient averaging. With replicas set strategy.data_parallel='fsdp' (or "
+            "'replicate'), or use schedule='interleaved_1f1b' (or '1f1b') with DDP."
         )
     if activation_checkpointing is not None:
         # Untested: a checkpointed layer would be recomputed in the input pass and needed again in the weight pass.
@@ -169,23 +182,55 @@ def check_model(module: Any) -> None:
             )
 
 
-def layer_param_bytes(module: pl.LightningModule) -> list[int] | None:
-    """Parameter bytes of every pipeline layer of ``module``, without building its weights (``None``: cannot tell).
+def meta_layers(module: pl.LightningModule) -> list[nn.Module] | None:
+    """The pipeline layers of ``module``, without building its weights (``None``: cannot tell).
 
     A module that creates its layers in ``configure_model`` has no parameters yet: a copy builds them on the meta
     device (the module itself stays untouched, so callbacks can still configure it before its layers exist).
     """
     try:
         if next(module.parameters(), None) is not None:
-            layers = check_protocol(module)
-        else:
-            shell = copy.deepcopy(module)
-            with torch.device("meta"):
-                shell.configure_model()
-                layers = check_protocol(shell)
-        return [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+            return check_protocol(module)
+        shell = copy.deepcopy(module)
+        with torch.device("meta"):
+            shell.configure_model()
+            return check_protocol(shell)
     except Exception:
         return None  # the strategy checks the real module in set-up, on every process
+
+
+def layer_param_bytes(layers: Sequence[nn.Module] | None) -> list[int] | None:
+    """Parameter bytes of every one of ``layers`` (``None``: unknown)."""
+    if layers is None:
+        return None
+    return [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+
+
+def check_units(layers: Sequence[nn.Module], data_parallel: str, schedule: str) -> None:
+    """Refuse layers FSDP2 / replicate cannot make units of: scalar parameters, a tie kept on one process.
+
+    Raises:
+        ValueError: the message names the layer, the parameter and what to do.
+    """
+    if data_parallel not in FSDP_MODES:
+        return
+    for i, layer in enumerate(layers):
+        scalar = next((name for name, p in layer.named_parameters() if p.dim() == 0), None)
+        if scalar is not None:
+            raise ValueError(
+                f"strategy.data_parallel={data_parallel!r} cannot wrap pipeline layer {i} "
+                f"({type(layer).__name__}): its parameter {scalar!r} is a scalar, which FSDP2 cannot shard. Make it "
+                "a 1-D tensor of one element, or use strategy.data_parallel='ddp'"
+            )
+    if schedule in V_SCHEDULES and layers:
+        shared = {id(p) for p in layers[0].parameters()} & {id(p) for p in layers[-1].parameters()}
+        if shared:
+            raise ValueError(
+                f"strategy.data_parallel={data_parallel!r} with strategy.schedule={schedule!r}: the V puts the first "
+                "and the last stage on one process, and their layers share a parameter (tied embeddings), which "
+                "FSDP2 cannot manage in two units. Untie it (dynmo-train: model.tie_embeddings=false), use "
+                "strategy.data_parallel='ddp' with one replica, or a looped schedule ('interleaved_zb')"
+            )
 
 
 def batch_sizes(args: Iterable[Any]) -> list[int]:
@@ -226,10 +271,14 @@ def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
     check_world(world_size, strategy.data_parallel_size)
     check_backend(strategy.process_group_backend, strategy.parallel_devices or [])
     pp_size, sizes = world_size // strategy.data_parallel_size, None
+    data_parallel = strategy.settings.data_parallel
     if isinstance(module, pl.LightningModule):
         check_model(module)
         check_trainer(trainer, module, strategy.precision_plugin.inner)
-        sizes = layer_param_bytes(module)
+        layers = meta_layers(module)
+        sizes = layer_param_bytes(layers)
+        if layers is not None:
+            check_units(layers, data_parallel, strategy.schedule)
         if sizes is not None:
             initial_partition(
                 strategy.partition,
@@ -240,7 +289,7 @@ def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
                 n_microbatches=strategy.n_microbatches,
             )
     check_batch_sizes(call_args[1:], strategy.n_microbatches)
-    job = JobShape(world_size, pp_size, strategy.stages_per_rank, sizes)
+    job = JobShape(world_size, pp_size, strategy.stages_per_rank, sizes, data_parallel)
     for callback in trainer.callbacks:
         if isinstance(callback, PreLaunchCheck):
             callback.pipeline_check_job(job)

@@ -262,6 +262,8 @@ class Mesh:
         device_type: the processes' device type (of :attr:`device_mesh`).
         dp_control: :attr:`dp_group`'s CPU (gloo) twin, for host data between replicas (``dp_group`` itself under
             gloo; ``None`` with one replica).
+        replica_group: the group FSDP2 / replicate units of this process's stage work over: :attr:`dp_group`, or
+            with one replica a group of this process alone (``None`` when no units were asked for).
     """
 
     pipeline: PipelineGroup
@@ -270,6 +272,17 @@ class Mesh:
     layout: ReplicaLayout
     device_type: str
     dp_control: dist.ProcessGroup | None = None
+    replica_group: dist.ProcessGroup | None = None
+
+    @functools.cached_property
+    def replica_mesh(self) -> Any:
+        """The 1-D ``DeviceMesh`` of :attr:`replica_group` (the replicas of this stage, in replica order)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self.replica_group is None:
+            raise ValueError("the mesh was made without replica groups for FSDP2 / replicate units")
+        ranks = self.layout.stage_ranks(self.pipeline.rank)
+        return DeviceMesh.from_group(self.replica_group, self.device_type, mesh=ranks, mesh_dim_names=("dp",))
 
     @functools.cached_property
     def device_mesh(self) -> Any:
@@ -289,7 +302,9 @@ class Mesh:
         return DeviceMesh.from_group([dp, pp], self.device_type, mesh=layout.replicas, mesh_dim_names=("dp", "pp"))
 
 
-def make_mesh(layout: ReplicaLayout, global_rank: int, timeout: timedelta, device: torch.device) -> Mesh:
+def make_mesh(
+    layout: ReplicaLayout, global_rank: int, timeout: timedelta, device: torch.device, unit_groups: bool = False
+) -> Mesh:
     """Create the groups of ``layout`` (collective: every process of the job makes every group, in the same order).
 
     Only the groups something uses are made: with one replica the pipeline is the default group and there are no
@@ -303,6 +318,8 @@ def make_mesh(layout: ReplicaLayout, global_rank: int, timeout: timedelta, devic
         global_rank: this process's rank.
         timeout: timeout of every group.
         device: where this process's layers live.
+        unit_groups: FSDP2 / replicate units will work over the replica groups: with one replica, each process
+            gets a group of its own (:attr:`Mesh.replica_group`).
 
     Raises:
         ValueError: the default group's backend cannot move tensors of ``device`` (:func:`group_device`), or moves
@@ -335,7 +352,28 @@ def make_mesh(layout: ReplicaLayout, global_rank: int, timeout: timedelta, devic
     pipeline = PipelineGroup(
         layout.pp_rank(global_rank), pp_group, list(layout.replicas[dp]), pp_control if d > 1 else control, wire
     )
-    return Mesh(pipeline, dp_group, control, layout, device.type, dp_control)
+    replica_group = dp_group
+    if unit_groups and d == 1:
+        replica_group = _own_group(global_rank, layout.order, host, timeout)
+    return Mesh(pipeline, dp_group, control, layout, device.type, dp_control, replica_group)
+
+
+def _own_group(global_rank: int, order: list[int], host: bool, timeout: timedelta) -> dist.ProcessGroup:
+    """A group of this process alone (FSDP2 over one replica: a mesh of one).
+
+    A gloo group is made by its member only. Under NCCL every process makes every one-process group, in the same
+    order (a device-bound NCCL default group splits its communicator for a new group, with every process taking
+    part).
+    """
+    if host:
+        return dist.new_group([global_rank], backend="gloo", timeout=timeout, use_local_synchronization=True)
+    own = None
+    for rank in order:
+        group = dist.new_group([rank], timeout=timeout)
+        if rank == global_rank:
+            own = group
+    assert own is not None
+    return own
 
 
 def shard_dataloader(dataloader: Any, shard: int, n_shards: int, seed: int) -> Any:

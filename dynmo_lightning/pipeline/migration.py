@@ -24,12 +24,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dynmo_lightning.optim import drop_params
@@ -37,6 +38,7 @@ from dynmo_lightning.pipeline import transport
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.pipeline.runtime import StagePlan
+from dynmo_lightning.pipeline.sharding import ShardedPickling, StageSharding
 from dynmo_lightning.profiling import DeviceClock
 
 
@@ -96,7 +98,11 @@ def plan_moves(old: StagePlan, new: StagePlan) -> list[Move]:
 # Serialisation: pickle with tensors by reference; the tensors travel raw (pipeline/transport.py)
 # ---------------------------------------------------------------------------------------------------------------------
 class _Packer(pickle.Pickler):
-    """Pickles objects with tensors on ``device`` replaced by references into :attr:`tensors` (shared ones once)."""
+    """Pickles objects with tensors on ``device`` replaced by references into :attr:`tensors` (shared ones once).
+
+    A DTensor (FSDP2 / replicate) is referenced by its local shard; an FSDP2 / replicate unit pickles as a plain
+    module (:class:`~dynmo_lightning.pipeline.sharding.ShardedPickling`).
+    """
 
     def __init__(self, file: io.BytesIO, device: torch.device) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -104,29 +110,46 @@ class _Packer(pickle.Pickler):
         self.tensors: list[Tensor] = []
         self._keys: dict[int, int] = {}
 
+    def reducer_override(self, obj: Any) -> Any:
+        return ShardedPickling.reduce_unit(obj)
+
     def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, Tensor) or obj.device != self.device:
+        spec: tuple[Any, ...] = ()
+        if isinstance(obj, DTensor):
+            shard, dspec = ShardedPickling.dtensor_id(obj)
+            spec = (dspec,)
+        elif not isinstance(obj, Tensor) or obj.device != self.device:
             return None  # e.g. Adam's CPU step counters under NCCL: pickled inline
+        else:
+            shard = obj.detach()
         key = self._keys.get(id(obj))
         if key is None:
             key = self._keys[id(obj)] = len(self.tensors)
-            self.tensors.append(obj.detach())
-        return key, obj.requires_grad, isinstance(obj, nn.Parameter)
+            self.tensors.append(shard)
+        return key, obj.requires_grad, isinstance(obj, nn.Parameter), *spec
 
 
 class _Unpacker(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: list[Tensor]) -> None:
+    def __init__(self, file: io.BytesIO, tensors: list[Tensor], mesh: Callable[[], Any] | None) -> None:
         super().__init__(file)
         self._tensors = tensors
+        self._mesh = mesh
         self._made: dict[int, Tensor] = {}
+        #: The received shard of every sharded parameter, by its (meta) placeholder's id.
+        self.shards: dict[int, Tensor] = {}
 
     def persistent_load(self, pid: Any) -> Tensor:
-        key, requires_grad, is_param = pid
+        key, requires_grad, is_param, *spec = pid
         if key not in self._made:
             t = self._tensors[key]
-            self._made[key] = (
-                nn.Parameter(t, requires_grad=requires_grad) if is_param else t.requires_grad_(requires_grad)
-            )
+            if spec:
+                if self._mesh is None:
+                    raise RuntimeError("a sharded layer arrived at a process whose layers are not sharded")
+                t = ShardedPickling.dtensor_load(t, spec[0], is_param, self._mesh())
+            made = nn.Parameter(t, requires_grad=requires_grad) if is_param else t.requires_grad_(requires_grad)
+            if spec and is_param:
+                self.shards[id(made)] = self._tensors[key]
+            self._made[key] = made
         return self._made[key]
 
 
@@ -138,8 +161,10 @@ def _pack(obj: Any, device: torch.device) -> tuple[bytes, list[Tensor]]:
     return f.getvalue(), [t.contiguous() for t in packer.tensors]
 
 
-def _unpack(blob: bytes, tensors: list[Tensor]) -> Any:
-    return _Unpacker(io.BytesIO(blob), tensors).load()
+def _unpack(blob: bytes, tensors: list[Tensor], mesh: Callable[[], Any] | None = None) -> tuple[Any, dict]:
+    """The object :func:`_pack` pickled, over ``tensors``; and the shards of its sharded parameters (by id)."""
+    unpacker = _Unpacker(io.BytesIO(blob), tensors, mesh)
+    return unpacker.load(), unpacker.shards
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -184,33 +209,56 @@ def pack_layers(
     return _pack({i: (m, _optimizer_entries(m, optimizers)) for i, m in layers.items()}, device)
 
 
-def unpack_layers(blob: bytes, tensors: list[Tensor]) -> dict[int, tuple[nn.Module, dict]]:
+def unpack_layers(
+    blob: bytes, tensors: list[Tensor], sharding: StageSharding | None = None
+) -> dict[int, tuple[nn.Module, dict]]:
     """The layers of a :func:`pack_layers` message over ``tensors`` (as received), with their optimizer entries.
 
-    :func:`add_to_optimizers` puts a layer's parameters and state into the receiver's optimizers.
+    Layers sent as FSDP2 / replicate units are units again over the receiver's replicas (``sharding``), holding
+    the shards that came. :func:`add_to_optimizers` puts a layer's parameters and state into the receiver's
+    optimizers.
     """
-    return _unpack(blob, tensors)
+    mesh = sharding.mesh if sharding is not None and sharding.units else None
+    layers, shards = _unpack(blob, tensors, mesh)
+    if shards:
+        assert sharding is not None
+        layers = {i: (sharding.adopt(module, shards), entries) for i, (module, entries) in layers.items()}
+    return layers
 
 
 def _send_layers(
     slots: LayerSlots, optimizers: Sequence[Optimizer], indices: Sequence[int], peer: int, pipe: PipelineGroup
 ) -> int:
-    """Send layers ``indices`` with their optimizer entries to global rank ``peer``; returns the bytes sent."""
-    blob, tensors = pack_layers({i: slots.get(i) for i in indices}, optimizers, pipe.device)
+    """Send layers ``indices`` with their optimizer entries to global rank ``peer``; returns the bytes sent.
+
+    A layer that cannot be packed is reported to the receiver instead (which then fails at once, not at the
+    timeout); the error is raised here too.
+    """
+    try:
+        blob, tensors = pack_layers({i: slots.get(i) for i in indices}, optimizers, pipe.device)
+    except Exception as e:
+        transport.send_header(f"{type(e).__name__}: {e}", peer, pipe)
+        raise
     transport.send_header((blob, [(t.dtype, tuple(t.shape)) for t in tensors]), peer, pipe)
     if tensors:
         transport.send_tensors(tensors, peer, pipe)
     return len(blob) + sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _recv_layers(peer: int, pipe: PipelineGroup) -> tuple[dict[int, tuple[nn.Module, dict]], int]:
+def _recv_layers(
+    peer: int, pipe: PipelineGroup, sharding: StageSharding | None
+) -> tuple[dict[int, tuple[nn.Module, dict]], int]:
     """Receive what :func:`_send_layers` sent: ``{index: (layer, optimizer entries)}`` and the bytes received."""
-    blob, specs = transport.recv_header(peer, pipe)
+    header = transport.recv_header(peer, pipe)
+    if isinstance(header, str):
+        raise RuntimeError(f"global rank {peer} could not send its layers: {header}")
+    blob, specs = header
     # Large tensors are received straight into their final memory.
     tensors = [torch.empty(shape, dtype=dtype, device=pipe.device) for dtype, shape in specs]
     if tensors:
         transport.recv_tensors(tensors, peer, pipe)
-    return unpack_layers(blob, tensors), len(blob) + sum(t.numel() * t.element_size() for t in tensors)
+    size = len(blob) + sum(t.numel() * t.element_size() for t in tensors)
+    return unpack_layers(blob, tensors, sharding), size
 
 
 def _transfer(
@@ -221,10 +269,12 @@ def _transfer(
     pipe: PipelineGroup,
     stats: MigrationStats,
     clock: DeviceClock,
+    sharding: StageSharding | None = None,
 ) -> dict[int, tuple[nn.Module, dict]]:
     """This process's part of ``pairs``: ``(src, dst, layers)`` in global ranks, in the same order on every process.
 
-    Returns what it received; adds its bytes and link set-up time to ``stats``.
+    Returns what it received (sharded layers already units again, over ``sharding``'s replicas); adds its bytes and
+    link set-up time to ``stats``.
     """
     received: dict[int, tuple[nn.Module, dict]] = {}
     for src, dst, layers in pairs:
@@ -235,7 +285,7 @@ def _transfer(
         if me == src:
             stats.bytes_sent += _send_layers(slots, optimizers, layers, peer, pipe)
         else:
-            got, size = _recv_layers(peer, pipe)
+            got, size = _recv_layers(peer, pipe, sharding)
             received.update(got)
             stats.bytes_received += size
     return received
@@ -261,8 +311,12 @@ def migrate(
     new: StagePlan,
     *,
     pipe: PipelineGroup,
+    sharding: StageSharding | None = None,
 ) -> MigrationStats:
     """Carry out ``old -> new`` on this process (collective over the pipeline group; every rank must call it).
+
+    Under ``data_parallel="fsdp"`` every replica's pipeline moves its own shards (the same plan in every replica:
+    each source sends its shards to the process of its replica that receives the layer).
 
     Args:
         slots: the model's layers on this process.
@@ -270,6 +324,7 @@ def migrate(
         old: the current partition.
         new: the target partition.
         pipe: this process's pipeline (rank, groups, members' global ranks, the device tensors travel on).
+        sharding: how replicas share the layers (units are sent as shards and made units again on arrival).
 
     Returns:
         The transfers and this process's bytes sent/received and time.
@@ -288,7 +343,7 @@ def migrate(
     pairs = [(pipe.global_rank(m.src), pipe.global_rank(m.dst), m.layers) for m in moves]
     received, error = {}, None
     try:
-        received = _transfer(slots, optimizers, pairs, pipe.global_rank(pipe.rank), pipe, stats, clock)
+        received = _transfer(slots, optimizers, pairs, pipe.global_rank(pipe.rank), pipe, stats, clock, sharding)
     except Exception as e:
         error = e
     # Phase two: commit only if every process holds what it must.

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.profiling import LayerCost, static_memory
-from dynmo_lightning.protocol import has_host_value, host_value, on_host, set_host_value
+from dynmo_lightning.protocol import has_host_value, host_value, local_part, on_host, set_host_value
 
 
 def share_loss(loss: Tensor | None, pipe: PipelineGroup, last_rank: int) -> Tensor:
@@ -96,12 +97,19 @@ def _average_host_values(mirrored: list[tuple[nn.Module, str]], group: dist.Proc
 
 
 def replicas_in_sync(state: dict[str, Tensor], dp_group: dist.ProcessGroup | None, dp_size: int, device: Any) -> bool:
-    """Whether every replica holds a bit-identical ``state`` (collective over the whole job)."""
+    """Whether every replica holds a bit-identical ``state`` (collective over the whole job).
+
+    ``dp_group`` is the replicas' CPU group (the digests are host data). A tensor sharded over the replicas
+    (FSDP2) has one copy, split: only what each replica holds whole is compared.
+    """
     ok = True
     if dp_group is not None:
         digest = hashlib.sha256()
         for name, t in sorted(state.items()):
+            if isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements):
+                continue
             digest.update(name.encode())
+            t = local_part(t)
             digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         found: list[Any] = [None] * dp_size
         dist.all_gather_object(found, digest.hexdigest(), group=dp_group)
@@ -111,19 +119,27 @@ def replicas_in_sync(state: dict[str, Tensor], dp_group: dist.ProcessGroup | Non
     return bool(flag.item())
 
 
-def param_norm(named: Sequence[tuple[str, Tensor]], counted: Callable[[str], bool], pipe: PipelineGroup) -> float:
+def param_norm(
+    named: Sequence[tuple[str, Tensor]],
+    counted: Callable[[str], bool],
+    pipe: PipelineGroup,
+    shards: dist.ProcessGroup | None = None,
+) -> float:
     """L2 norm (float64) of the whole model's parameters, each stage summing its own (collective over the pipeline).
 
     Args:
         named: this stage's ``(name, parameter)``.
         counted: whether this stage counts a parameter (a tied one is counted by one of its owners only).
         pipe: the pipeline (the sum is reduced on its device).
+        shards: the replicas, when each holds a shard of the stage's parameters (FSDP2): summed over them too.
     """
     sq = torch.zeros((), dtype=torch.float64, device=pipe.device)
     for name, p in named:
         if counted(name):
-            sq += p.detach().to(torch.float64).square().sum()
+            sq += local_part(p).detach().to(torch.float64).square().sum()
     dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pipe.group)
+    if shards is not None:
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=shards)
     return math.sqrt(float(sq))
 
 
@@ -142,15 +158,21 @@ class GlobalNormClipping:
     index tensors on the device are made once per layout (the filled slots), not every step: in steady state a
     clipping step neither copies from the host nor synchronises the device.
 
+    Gradients sharded over the replicas (FSDP2: each process holds ``1/D`` of each) enter as their squared norms,
+    and the table is summed over the whole job instead of the pipeline: still one collective, and every slot then
+    holds the square of the whole gradient's norm (of its copies' sum, for a tie).
+
     Attributes:
         param_order: names of all parameters of the unsplit model, in its order.
         names: returns ``id(param) -> name`` in the unsplit model (a tie's copies share the canonical name).
         pipe: returns this process's pipeline (it changes when the world shrinks): its groups and device.
+        sharded: whether each replica holds a shard of every gradient (``data_parallel="fsdp"``).
     """
 
     param_order: list[str]
     names: Callable[[], dict[int, str]]
     pipe: Callable[[], PipelineGroup]
+    sharded: bool = False
     _local: dict[tuple[tuple[int, ...], torch.device], Tensor] = dataclasses.field(default_factory=dict, repr=False)
     _global: dict[bytes, tuple[Tensor, Tensor | None]] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -174,22 +196,35 @@ class GlobalNormClipping:
         # float64 holds any float32 norm, and k times it, exactly.
         table = torch.zeros(size, dtype=torch.float64, device=device)
         if params:
-            table.index_copy_(0, self._device_index(tuple(slots), device), self._norms(trainable, device))
-        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=pipe.group)  # on an accelerator, runs while the host ...
-        copies = self._copies(slots, size, pipe)  # ... sums which slots are filled
+            norms = self._norms(trainable, device)
+            table.index_copy_(0, self._device_index(tuple(slots), device), norms.square() if self.sharded else norms)
+        # on an accelerator, runs while the host sums which slots are filled (below)
+        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=None if self.sharded else pipe.group)
+        copies = self._copies(slots, size, pipe)
         if not params:
             return
         present, k = self._present(copies, device)
         ordered = table.index_select(0, present)
         if k is not None:
             ordered = ordered / k
-        ordered = ordered.to(params[0].grad.dtype)
-        torch.nn.utils.clip_grads_with_norm_(params, clip_val, torch.linalg.vector_norm(ordered, 2.0))
+        if self.sharded:
+            ordered = ordered.sqrt()
+        total = torch.linalg.vector_norm(ordered.to(params[0].grad.dtype), 2.0)
+        if not any(isinstance(p.grad, DTensor) for p in params):
+            torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+            return
+        # torch's clip_grads_with_norm_ on the local parts (a DTensor times a plain tensor is refused), per dtype
+        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(local_part(p.grad))
+        for grads in by_dtype.values():
+            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
 
     @staticmethod
     def _norms(trainable: list[Tensor], device: torch.device) -> Tensor:
         """Every trainable parameter's gradient norm (0 without a gradient), as float64, computed as torch does."""
-        grads = [p.grad for p in trainable if p.grad is not None]
+        grads = [local_part(p.grad) for p in trainable if p.grad is not None]
         if grads[0].device.type == "cpu":
             norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]  # torch's own CPU path
         else:
@@ -243,8 +278,9 @@ def gather_costs(
         slots: the layers of this process.
         optimizer: the optimizer whose state counts as the layers' optimizer memory.
         pipe: the pipeline.
-        replicas: ``(group, size)`` of this stage's replicas, whose measurements (of different data: routing,
-            exits) are averaged in replica order, so that every process of the job plans from the same numbers.
+        replicas: ``(group, size)`` of this stage's replicas (``group``: their CPU group: the costs are host data),
+            whose measurements (of different data: routing, exits) are averaged in replica order, so that every
+            process of the job plans from the same numbers.
     """
     mine = {}
     for i, cost in local.items():

@@ -37,15 +37,20 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _add_send_recv, _ComputationType
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    _add_send_recv,
+    _add_unshard_reshard,
+    _ComputationType,
+)
 
 from dynmo_lightning.balance.placement import V_SCHEDULES, stage_ranks
 from dynmo_lightning.pipeline import transport
 from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
 from dynmo_lightning.pipeline.layout import PipelineGroup
+from dynmo_lightning.pipeline.sharding import StageSharding
 from dynmo_lightning.profiling import LayerProfiler
-from dynmo_lightning.protocol import as_tuple, may_leave_parameters_unused, probing
+from dynmo_lightning.protocol import as_tuple, probing
 from dynmo_lightning.recompute import Policy
 
 #: What ``DynMoStrategy(schedule=...)`` accepts (the keys of :data:`SCHEDULES`).
@@ -62,7 +67,8 @@ SCHEDULES: dict[str, type] = {
 }
 
 #: Schedules that split each backward into its input part and its weight part (zero-bubble: the weight part fills
-#: the bubbles). Their weight part sets ``.grad`` itself, past DDP's hooks, so they run one replica only.
+#: the bubbles). Their weight part sets ``.grad`` itself, past DDP's hooks: replicas need ``data_parallel="fsdp"``
+#: or ``"replicate"``, whose reduction the pipeline stage runs itself after the last weight pass.
 SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
 
 #: Schedules that run several stages per rank (torch's multi-stage schedules).
@@ -153,6 +159,7 @@ class PipelineRuntime:
         loss_fn: ``(output, target) -> loss`` of one micro-batch (the module's ``pipeline_loss``).
         recompute: which layers run under activation checkpointing (``None``: none); asked whenever stages are
             built, so the answer follows each layer wherever it moves.
+        sharding: how the stages share their layers with their replicas (``None``: DDP over :attr:`replicas`).
 
     """
 
@@ -167,8 +174,10 @@ class PipelineRuntime:
         n_microbatches: int,
         loss_fn: Callable[[Any, Tensor], Tensor],
         recompute: Policy | None = None,
+        sharding: StageSharding | None = None,
     ) -> None:
         self.profiler = LayerProfiler(device)
+        self.sharding = sharding if sharding is not None else StageSharding("ddp", lambda: None, device)
         self.recompute = recompute
         self.slots = slots
         self.plan = plan
@@ -181,6 +190,8 @@ class PipelineRuntime:
         self._metas: dict[bool, list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]] = {}
         #: Data-parallel replicas of this pipeline (their process group), set by the strategy; ``None``: one replica.
         self.replicas: dist.ProcessGroup | None = None
+        #: The replicas' CPU group (host data between them), set with :attr:`replicas`.
+        self.replicas_host: dist.ProcessGroup | None = None
         # What the training stages were wrapped for: the replica group and each stage's trainable parameters.
         self._wrapped_for: tuple[Any, list[list[int]]] | None = None
 
@@ -267,6 +278,7 @@ class PipelineRuntime:
                 _divide_grads(self._built[train][1], self.n_microbatches)
         else:
             output = schedule.eval(*args, **kwargs)
+            self.sharding.reshard(stage.submod for stage in self._built[train][1])
         if not self.has_last_stage:
             return StepResult(loss=None)
         loss = torch.stack([x.detach().float() for x in losses]).mean()
@@ -283,7 +295,9 @@ class PipelineRuntime:
             stages = [
                 _Stage(
                     self.profiler,
-                    self._wrap(module) if train else module,
+                    lambda: self.replicas_host,
+                    self.sharding,
+                    self.sharding.wrap(module, self.replicas if train else None),
                     stage,
                     self.plan.n_stages,
                     self.device,
@@ -310,34 +324,16 @@ class PipelineRuntime:
             schedule = cls(stages[0], self.n_microbatches, loss_fn=self.loss_fn, scale_grads=True)
         return schedule, stages
 
-    def _wrap(self, module: StageModule) -> nn.Module:
-        """The stage module in DDP over the replicas, so that gradients are averaged while backward runs.
-
-        The schedule runs every micro-batch but the last under ``no_sync`` and lets DDP's reducer all-reduce bucket by
-        bucket during the last backward (``PipelineStage.backward_maybe_with_nosync``), overlapping communication with
-        the rest of that backward, as DDP does for a single-stage model. Where a layer may leave parameters unused in
-        a step (an MoE layer computing expert by expert: an expert no token was routed to), they count as zero there,
-        as ``find_unused_parameters`` does, including those used only in earlier micro-batches; elsewhere DDP does not
-        search the graph for them (that search ends in a host read of the used-parameter map every step). Buffers are
-        not broadcast (replicas average the ones they adapt, see ``reduce``), and the replicas already hold equal
-        weights, so the wrapper does not broadcast them either.
-        """
-        if self.replicas is None or not any(p.requires_grad for p in module.parameters()):
-            return module  # nothing to average (one replica, or a stage whose layers are all frozen)
-        return DistributedDataParallel(
-            module,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            process_group=self.replicas,
-            broadcast_buffers=False,
-            find_unused_parameters=may_leave_parameters_unused(module),
-            init_sync=False,
-            gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy of every gradient
-        )
-
     def _wrap_key(self) -> tuple[Any, list[list[int]]]:
-        """The replica group and the ids of each local stage's trainable parameters (what a DDP wrapper holds)."""
-        if self.replicas is None:
-            return None, []  # nothing is wrapped: no per-step walk over the parameters
+        """The replica group and the ids of each local stage's trainable parameters (what a DDP wrapper holds).
+
+        DDP (:meth:`StageSharding.wrap`) runs every micro-batch but the last under ``no_sync`` and lets its reducer
+        all-reduce bucket by bucket during the last backward (``PipelineStage.backward_maybe_with_nosync``).
+        """
+        if self.replicas is None or self.sharding.units:
+            # nothing is wrapped in DDP: no per-step walk over the parameters (FSDP2 follows requires_grad itself,
+            # and which parameter objects a unit registers changes as it gathers and frees them)
+            return None, []
         layers = [[self.slots.get(i) for i in range(*self.plan.bounds(stage))] for stage in self.local_stages]
         return self.replicas, [[id(p) for layer in ls for p in layer.parameters() if p.requires_grad] for ls in layers]
 
@@ -416,7 +412,8 @@ def _forward_only(schedule: Any) -> None:
     order: dict[int, list[Any]] = {}
     for rank, actions in schedule.pipeline_order.items():
         subs = [sub for a in actions if a is not None for sub in (a.sub_actions or (a,))]
-        order[rank] = [a for a in subs if a.computation_type == _ComputationType.FORWARD]
+        forwards = [a for a in subs if a.computation_type == _ComputationType.FORWARD]
+        order[rank] = _add_unshard_reshard(forwards)  # FSDP2 units gather before they compute (a no-op otherwise)
     # torch's own lowering to send/receive actions (its `_prepare_schedule_with_comms` would insist on backwards).
     ranks = schedule.stage_index_to_group_rank
     schedule.pipeline_order_with_comms = _add_send_recv(order, lambda s: ranks[s], schedule._num_stages)
@@ -430,16 +427,37 @@ class _Stage(PipelineStage):
     at all. torch runs its first stage's backward whole in the weight pass for that reason; here such a stage runs it
     whole at once (same gradients, no bubble filled) and its weight pass is empty.
 
+    Under ``data_parallel="fsdp"`` or ``"replicate"`` torch's stage runs the reduction over the replicas after the
+    last backward; before it, parameters another replica has a gradient for get a zero one here
+    (:meth:`StageSharding.fill_unused_grads`).
+
     Args:
         profiler: the runtime's profiler.
+        replicas_host: returns the replicas' CPU group (``None``: one replica).
+        sharding: how the stage shares its layers with its replicas.
         *args: ``PipelineStage``'s arguments.
         **kwargs: ``PipelineStage``'s keyword arguments.
     """
 
-    def __init__(self, profiler: LayerProfiler, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        profiler: LayerProfiler,
+        replicas_host: Callable[[], dist.ProcessGroup | None],
+        sharding: StageSharding,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._profiler = profiler
+        self._replicas_host = replicas_host
+        self._sharding = sharding
         self._done_whole: set[int] = set()
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """The replicas' gradient reduction after the last backward (FSDP2 / replicate units)."""
+        if self._sharding.units:
+            self._sharding.fill_unused_grads(self.submod, self._replicas_host())
+        super().perform_reduce_grad(grad_scale_factor)
 
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False

@@ -30,7 +30,8 @@ class StrategySettings:
     """Micro-batches per batch; the batch size must be a multiple of it."""
     schedule: str = "1f1b"
     """``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, or a zero-bubble schedule (backward split into its input and
-    weight parts; one replica, no activation checkpointing): ``"interleaved_zb"``, ``"zbv"``, ``"dualpipev"``."""
+    weight parts; replicas under ``data_parallel="fsdp"`` or ``"replicate"``, no activation checkpointing):
+    ``"interleaved_zb"``, ``"zbv"``, ``"dualpipev"``."""
     partition: str | list[int] = "uniform"
     """Initial layers per stage: ``"uniform"`` (by layer count), ``"params"`` (balance parameter counts, as
     DeepSpeed does), or an explicit list such as ``[3, 5]``."""
@@ -40,6 +41,11 @@ class StrategySettings:
     data_parallel_size: int = 1
     """Replicas of the pipeline (DP x PP); the number of processes must be a multiple of it. The dataloader's batch
     size is per replica, as with DDP."""
+    data_parallel: str = "ddp"
+    """How the replicas share each stage's layers: ``"ddp"`` (every replica holds them whole, DDP averages the
+    gradients), ``"fsdp"`` (FSDP2 shards every layer's weights, gradients and optimizer state over the replicas:
+    ``1/D`` per process) or ``"replicate"`` (torch's FSDP-based replicate: whole layers, FSDP2's hooks). The two
+    last also run the zero-bubble schedules with replicas (docs/scale_out.md)."""
     timeout: float | timedelta = 300.0
     """Seconds (or a ``timedelta``) before any collective or point-to-point operation gives up."""
     heartbeat_timeout: float = 15.0
@@ -50,7 +56,8 @@ class StrategySettings:
     checkpoint_format: str = "auto"
     """``"sharded"`` (a directory: every stage writes its own layers with ``torch.distributed.checkpoint``, any width
     reads them), ``"single"`` (one file gathered on rank 0) or ``"auto"`` (sharded when the pipeline has more than
-    one stage). Both formats load either way. Hydra sets it from ``checkpoint.format``."""
+    one stage, or under ``data_parallel="fsdp"``). Both formats load either way. Hydra sets it from
+    ``checkpoint.format``."""
     activation_checkpointing: str | int | Policy | None = None
     """Recompute layers' activations in backward instead of keeping them: ``None`` (off), ``"all"``, ``k`` (every
     k-th layer) or ``(index, layer) -> bool`` (docs/activation_checkpointing.md)."""
@@ -58,7 +65,7 @@ class StrategySettings:
     def __post_init__(self) -> None:
         launcher.check_arguments(
             self.n_microbatches, self.schedule, self.partition, self.stages_per_rank, self.data_parallel_size,
-            self.heartbeat_timeout, self.activation_checkpointing,
+            self.heartbeat_timeout, self.activation_checkpointing, self.data_parallel,
         )  # fmt: skip
         if not isinstance(self.partition, str):  # a Hydra ListConfig, a tuple: plain integers
             self.partition = [int(n) for n in self.partition]

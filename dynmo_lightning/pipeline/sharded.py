@@ -40,6 +40,7 @@ from dynmo_lightning.pipeline.checkpoint import (
     merge_named_optimizer_states,
 )
 from dynmo_lightning.pipeline.layout import PipelineGroup
+from dynmo_lightning.pipeline.sharding import template_like
 
 #: Checkpoint formats: ``"sharded"`` (a DCP directory, every stage writes its part), ``"single"`` (one file gathered
 #: on rank 0), ``"auto"`` (sharded when the pipeline has more than one stage).
@@ -71,22 +72,40 @@ def _tensors(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return {"model": dict(checkpoint.get("state_dict", {})), "optim": optim}
 
 
-def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike[str], pipe: PipelineGroup) -> None:
-    """Write ``checkpoint`` (this stage's part) as a sharded checkpoint at ``path`` (collective over ``pipe``).
+def save_sharded(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike[str],
+    pipe: PipelineGroup,
+    *,
+    shards: tuple[dist.ProcessGroup | None, int, bool] | None = None,
+) -> None:
+    """Write ``checkpoint`` (this stage's part) as a sharded checkpoint at ``path`` (collective over the writers).
 
     Args:
         checkpoint: Lightning's checkpoint dict on this stage: ``state_dict`` holds this stage's tensors,
             ``optimizer_states`` its named optimizer states; the rest is the same on every stage.
         path: the checkpoint directory.
-        pipe: the pipeline whose stages write (the first replica's).
+        pipe: this process's pipeline: the first replica's stages write (replicas are identical).
+        shards: when every replica holds shards of its stage's layers (FSDP2), every process writes its shards:
+            ``(the job's CPU group, global rank of pipeline rank 0 of the first replica, whether this process is in
+            the first replica)``.
     """
     target = os.fspath(path)
-    # One temporary directory for all stages, named by pipeline rank 0.
-    tag = [uuid.uuid4().hex if pipe.rank == 0 else None]
-    dist.broadcast_object_list(tag, src=pipe.global_rank(0), group=pipe.control)
+    group, leader, first = (pipe.control, pipe.global_rank(0), True) if shards is None else shards
+    # One temporary directory for all writers, named by the leader (pipeline rank 0 of the first replica).
+    tag = [uuid.uuid4().hex if dist.get_rank() == leader else None]
+    dist.broadcast_object_list(tag, src=leader, group=group)
     tmp = f"{target}.tmp-{tag[0]}"
-    # DCP's own collectives exchange plans and metadata (host data): the control group carries them.
-    dcp.save(_tensors(checkpoint), storage_writer=dcp.FileSystemWriter(tmp), process_group=pipe.control)
+    # DCP's own collectives exchange plans and metadata (host data): the CPU group carries them. Entries every
+    # replica holds whole (buffers, step counters) are written once: DCP dedups them.
+    dcp.save(_tensors(checkpoint), storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
+    if first:
+        _save_meta(checkpoint, tmp, target, pipe)
+    dist.barrier(group=group)
+
+
+def _save_meta(checkpoint: dict[str, Any], tmp: str, target: str, pipe: PipelineGroup) -> None:
+    """Everything but the tensors, by pipeline rank 0 (collective over the first replica's pipeline)."""
     # Parameter groups: hyper-parameters and the names of every stage's parameters (names only, no tensors).
     groups = [{"format": NAMED_FORMAT, "state": {}, "param_groups": o["param_groups"]} for o in
               checkpoint.get("optimizer_states") or []]  # fmt: skip
@@ -97,7 +116,6 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike[str], pipe:
         meta["optimizer_states"] = [merge_named_optimizer_states([p[i] for p in parts]) for i in range(len(groups))]
         torch.save(meta, os.path.join(tmp, META))
         _replace(tmp, target)
-    dist.barrier(group=pipe.control)
 
 
 def _replace(tmp: str, target: str) -> None:
@@ -126,8 +144,13 @@ def load_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
-def load_stage_model(module: nn.Module, shards: str, global_keys: set[str], strict: bool) -> None:
+def load_stage_model(
+    module: nn.Module, shards: str, global_keys: set[str], strict: bool, group: dist.ProcessGroup | None = None
+) -> None:
     """Read this stage's tensors of ``module`` from ``shards`` into it, in place (collective over the world).
+
+    A tensor the module holds as a DTensor (FSDP2) is read as one: each process reads only its part. ``group`` is
+    the job's CPU group (``None``: the default group), over which DCP agrees its plans.
 
     Raises:
         RuntimeError: the checkpoint does not match the model (keys missing on either side, other shapes).
@@ -138,31 +161,46 @@ def load_stage_model(module: nn.Module, shards: str, global_keys: set[str], stri
     if strict:
         check_keys(local.keys(), saved.keys(), global_keys)
     # Read into tensors of the saved shapes: a pruned layer takes its shapes from the checkpoint when it loads.
-    wanted = {k: _empty_like(saved[k]) for k in local if k in saved}
-    _load_shards({"model": wanted}, shards)
+    wanted = {k: _empty_like(saved[k], local[k]) for k in local if k in saved}
+    _load_shards({"model": wanted}, shards, group=group)
     module.load_state_dict(wanted, strict=False)
 
 
-def _empty_like(meta: Any) -> Any:
-    """An empty tensor of a saved tensor's shape and dtype (``None`` for a saved object: DCP replaces it)."""
+def _empty_like(meta: Any, like: Any = None) -> Any:
+    """An empty tensor of a saved tensor's shape and dtype (``None`` for a saved object: DCP replaces it).
+
+    Laid out as ``like`` where that is a DTensor (see :func:`~dynmo_lightning.pipeline.sharding.template_like`).
+    """
     if isinstance(meta, TensorStorageMetadata):
-        return torch.empty(meta.size, dtype=meta.properties.dtype)
+        return template_like(meta.size, meta.properties.dtype, like)
     assert isinstance(meta, BytesStorageMetadata)
     return None
 
 
 def load_stage_optimizer(
-    optimizer: Optimizer, index: int, named_groups: Mapping[str, Any], shards: str, names: Mapping[int, str]
+    optimizer: Optimizer,
+    index: int,
+    named_groups: Mapping[str, Any],
+    shards: str,
+    names: Mapping[int, str],
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """This stage's part of optimizer ``index``'s state, in ``optimizer.load_state_dict`` form (collective).
 
-    The state's shapes come from the checkpoint's metadata, so it loads into an optimizer that has not stepped yet.
+    The state's shapes come from the checkpoint's metadata, so it loads into an optimizer that has not stepped yet;
+    state of a parameter's shape is read as that parameter is laid out (a DTensor's part under FSDP2).
     """
     metadata = safe_load.read_dcp_metadata(shards).state_dict_metadata
-    local = {names[id(p)] for group in optimizer.param_groups for p in group["params"]}
-    template = _optimizer_state(metadata, index, _empty_like, keep=local)
+    params = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
+
+    def empty(name: str, entry: Any) -> Any:
+        like = params[name]
+        same = isinstance(entry, TensorStorageMetadata) and tuple(entry.size) == tuple(like.shape)
+        return _empty_like(entry, like if same else None)
+
+    template = _optimizer_state(metadata, index, empty, keep=set(params))
     loaded = {"optim": {str(index): {"state": template}}}
-    _load_shards(loaded, shards)
+    _load_shards(loaded, shards, group=group)
     named = {
         "format": NAMED_FORMAT,
         "state": loaded["optim"][str(index)]["state"],
@@ -172,21 +210,29 @@ def load_stage_optimizer(
 
 
 def _optimizer_state(
-    entries: Mapping[str, Any], index: int, value: Callable[[Any], Any], keep: Collection[str] | None = None
+    entries: Mapping[str, Any], index: int, value: Callable[[str, Any], Any], keep: Collection[str] | None = None
 ) -> dict[str, dict[str, Any]]:
-    """``{param name: {field: value(entry)}}`` of optimizer ``index`` from flat DCP ``entries`` (``keep``: names)."""
+    """``{param name: {field: value(name, entry)}}`` of optimizer ``index`` from flat DCP ``entries``.
+
+    ``keep``: the parameter names wanted (``None``: all).
+    """
     prefix = f"optim.{index}.state."
     state: dict[str, dict[str, Any]] = {}
     for key, entry in entries.items():
         if key.startswith(prefix):
             name, _, field = key[len(prefix) :].rpartition(".")
             if keep is None or name in keep:
-                state.setdefault(name, {})[field] = value(entry)
+                state.setdefault(name, {})[field] = value(name, entry)
     return state
 
 
-def _load_shards(state: dict[str, Any], shards: str, *, no_dist: bool = False) -> None:
-    """``dcp.load`` of ``state`` (templates, filled in place) from ``shards``, running no code from the files."""
+def _load_shards(
+    state: dict[str, Any], shards: str, *, no_dist: bool = False, group: dist.ProcessGroup | None = None
+) -> None:
+    """``dcp.load`` of ``state`` (templates, filled in place) from ``shards``, running no code from the files.
+
+    ``group``: the CPU group DCP agrees its plans over (``None``: the default group).
+    """
     with warnings.catch_warnings():  # one process reading it all (no_dist) is the point, not a misconfiguration
         warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
         try:
@@ -194,6 +240,7 @@ def _load_shards(state: dict[str, Any], shards: str, *, no_dist: bool = False) -
                 state,
                 storage_reader=safe_load.SafeFileSystemReader(shards),
                 planner=safe_load.SafeLoadPlanner(shards),
+                process_group=group,
                 no_dist=no_dist,
             )
         except CheckpointException as e:  # DCP wraps each rank's failure: a refusal is said as itself
@@ -223,5 +270,5 @@ def load_whole(path: str | os.PathLike[str]) -> dict[str, Any]:
     _load_shards(flat, shards, no_dist=True)
     meta["state_dict"] = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
     for i, named in enumerate(meta.get("optimizer_states") or []):
-        named["state"] = _optimizer_state(flat, i, lambda v: v)
+        named["state"] = _optimizer_state(flat, i, lambda _name, v: v)
     return meta

@@ -24,6 +24,7 @@ from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import PipelineGroup, ReplicaLayout
 from dynmo_lightning.pipeline.migration import MigrationStats, migrate, pack
 from dynmo_lightning.pipeline.runtime import PipelineRuntime, StagePlan, StepResult
+from dynmo_lightning.pipeline.sharding import StageSharding
 from dynmo_lightning.pipeline.split import count_params, initial_partition, pipeline_layers, split_module
 from dynmo_lightning.pipeline.ties import TiedParameters
 from dynmo_lightning.recompute import Policy
@@ -44,6 +45,7 @@ class LocalStages:
         n_microbatches: micro-batches per step.
         timeout: timeout of the ties' process groups.
         recompute: the layers under activation checkpointing (:func:`~dynmo_lightning.recompute.checkpoint_policy`).
+        sharding: how the stages share their layers with their replicas (``None``: DDP).
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class LocalStages:
         n_microbatches: int,
         timeout: timedelta,
         recompute: Policy | None = None,
+        sharding: StageSharding | None = None,
     ) -> None:
         self.module = module
         self.device = device
@@ -76,6 +79,7 @@ class LocalStages:
             n_microbatches=n_microbatches,
             loss_fn=module.pipeline_loss,
             recompute=recompute,
+            sharding=sharding,
         )
         self._profiled: dict[int, dict[str, float]] | None = None
         self._pending: list[tuple[Tensor, Tensor]] = []
@@ -95,10 +99,12 @@ class LocalStages:
         device: torch.device,
         timeout: timedelta,
         recompute: Policy | None = None,
+        sharding: StageSharding | None = None,
     ) -> LocalStages:
         """Split ``module`` with its first partition (``"uniform"``, ``"params"`` or a list; see pipeline/split).
 
-        ``recompute`` chooses the layers under activation checkpointing (``None``: none).
+        ``recompute`` chooses the layers under activation checkpointing (``None``: none), ``sharding`` how the
+        replicas share the layers (``None``: DDP).
         """
         layers = pipeline_layers(module)
         kwargs = {"pp_size": pipe.size, "stages_per_rank": stages_per_rank, "n_microbatches": n_microbatches}
@@ -117,12 +123,25 @@ class LocalStages:
             n_microbatches=n_microbatches,
             timeout=timeout,
             recompute=recompute,
+            sharding=sharding,
         )
 
     @property
     def slots(self) -> LayerSlots:
         """Where every layer sits in the module, and which ones this process holds."""
         return self.split.slots
+
+    @property
+    def sharding(self) -> StageSharding:
+        """How the stages share their layers with their replicas."""
+        return self.runtime.sharding
+
+    def shard(self) -> None:
+        """Make every local layer an FSDP2 / replicate unit (``data_parallel`` ``"fsdp"``/``"replicate"``).
+
+        Once, after the layers are materialised on their device and before the optimizers see their parameters.
+        """
+        self.sharding.shard_layers(self.slots.get(i) for i in self.slots.local_indices())
 
     @property
     def plan(self) -> StagePlan:
@@ -135,16 +154,18 @@ class LocalStages:
         return self.runtime.pipe
 
     # ----------------------------------------------------------------------------------------------------------------
-    def train(self, inputs: Any, target: Tensor, params: Sequence[Tensor], replicas: Any = None) -> Tensor:
+    def train(
+        self, inputs: Any, target: Tensor, params: Sequence[Tensor], replicas: Any = None, replicas_host: Any = None
+    ) -> Tensor:
         """Forward and backward of every micro-batch into the ``.grad`` of ``params``; the loss on every process.
 
-        With data-parallel ``replicas`` (their process group), gradients are averaged over them during the last
-        micro-batch's backward (see ``PipelineRuntime._wrap``). The copies of a tie held by several stages get the sum
-        of their gradients, as the unsplit model's one tensor.
+        With data-parallel ``replicas`` (their process group; ``replicas_host`` its CPU twin), gradients are averaged
+        over them during or after the last micro-batch's backward (:mod:`~dynmo_lightning.pipeline.sharding`). The
+        copies of a tie held by several stages get the sum of their gradients, as the unsplit model's one tensor.
         """
         for p in params:
             p.grad = None
-        self.runtime.replicas = replicas
+        self.runtime.replicas, self.runtime.replicas_host = replicas, replicas_host
         result = self.runtime.step(inputs, target, train=True)
         self.ties.reduce_grads(self.slots, self.plan, self.pipe.rank)
         return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank)
@@ -217,8 +238,9 @@ class LocalStages:
         held while layers travel.
         """
         self.runtime.invalidate()
-        stats = migrate(self.slots, optimizers, self.plan, new, pipe=self.pipe)
+        stats = migrate(self.slots, optimizers, self.plan, new, pipe=self.pipe, sharding=self.sharding)
         self.ties.follow(self.slots, new, self.pipe.rank, optimizers)
+        self.shard()  # arrived units are units again; a tie they would share on this process is refused here
         self.runtime.set_plan(new)
         return stats
 
@@ -248,11 +270,14 @@ class LocalStages:
         """``id(param) -> name`` in the unsplit model (a tied parameter's copies all get the tie's canonical name)."""
         return {id(p): self.ties.canonical(name) for name, p in self.module.named_parameters()}
 
-    def param_norm(self) -> float:
-        """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once."""
+    def param_norm(self, shards: Any = None) -> float:
+        """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once.
+
+        ``shards``: the replicas' group when each holds a shard of the stage's parameters (FSDP2).
+        """
         plan, rank = self.plan, self.pipe.rank
         named = list(self.module.named_parameters())
-        return reduce.param_norm(named, lambda n: self.ties.counted_here(n, plan, rank), self.pipe)
+        return reduce.param_norm(named, lambda n: self.ties.counted_here(n, plan, rank), self.pipe, shards)
 
     def tie_layers(self, param: Tensor) -> set[int]:
         """Indices of all pipeline layers sharing ``param`` (a local parameter) in the unsplit model; empty if none."""

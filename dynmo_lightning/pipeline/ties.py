@@ -30,6 +30,7 @@ from dynmo_lightning.optim import drop_params
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import ReplicaLayout
 from dynmo_lightning.pipeline.runtime import StagePlan
+from dynmo_lightning.protocol import local_part
 
 
 class TieError(ValueError):
@@ -215,7 +216,7 @@ class TiedParameters:
         for tie, mine, group in self._cross(slots, plan, rank):
             src = self._global_rank(plan.rank_of_layer(tie.entries[0][0]))
             with torch.no_grad():
-                dist.broadcast(mine.data, src=src, group=group)
+                dist.broadcast(local_part(mine.detach()), src=src, group=group)
 
     def reduce_grads(self, slots: LayerSlots, plan: StagePlan, rank: int) -> None:
         """Sum the gradients of every cross-process tie's copies, so that every copy takes the same step."""
@@ -223,7 +224,8 @@ class TiedParameters:
             if p.requires_grad:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+                # copies sharded alike (FSDP2: the same replica index, the same shard) sum their local parts
+                dist.all_reduce(local_part(p.grad), op=dist.ReduceOp.SUM, group=group)
 
     def layers_of(self, name: str) -> set[int]:
         """Layers sharing the tied parameter ``name`` (empty if it is not tied)."""

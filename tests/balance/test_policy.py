@@ -58,6 +58,7 @@ class TraceStrategy:
     n_microbatches = 8
     schedule = "1f1b"
     stages_per_rank = 1
+    data_parallel = "ddp"
 
     def __init__(self, trace: list[dict[str, Any]], n_stages: int, bandwidth: float) -> None:
         self.trace, self.bandwidth = trace, bandwidth
@@ -132,6 +133,9 @@ class TraceStrategy:
 
     def replicas_in_sync(self) -> bool:
         return True
+
+    def shard_sum(self, values: Any) -> Any:
+        return values
 
 
 def _run_balancer(trace, n_stages, bandwidth, **kwargs) -> list[tuple[int, list[int]]]:

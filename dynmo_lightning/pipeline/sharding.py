@@ -1,0 +1,324 @@
+"""Data parallelism inside each stage: DDP, or torch's FSDP2 / replicate over the stage's replica group.
+
+``DynMoStrategy(data_parallel=...)`` chooses how the ``D`` replicas of a stage (the processes that hold the same
+pipeline rank in every replica, a ``DeviceMesh`` of one dimension) share its layers:
+
+- ``"ddp"``: every replica holds the whole stage, the stage module is wrapped in ``DistributedDataParallel`` for
+  the step (gradients all-reduced bucket by bucket during the last micro-batch's backward).
+- ``"fsdp"``: FSDP2 (``fully_shard``) on every pipeline layer and on the stage module, as torchtitan does: every
+  replica holds ``1/D`` of each layer's weights, gradients and optimizer state (DTensors sharded on dim 0);
+  parameters are all-gathered before a layer runs and kept for the rest of the step (``reshard_after_forward=False``
+  under a pipeline, so no all-gather per micro-batch), gradients reduce-scattered after the last backward.
+- ``"replicate"``: torch's FSDP-based ``replicate`` on the same units: whole weights, gradients all-reduced after
+  the last backward, through the same hooks as FSDP2 (which torch's split backward drives: the zero-bubble
+  schedules run with replicas under ``replicate`` and ``fsdp``).
+
+Under ``fsdp``/``replicate`` a layer is a unit of its own for its whole life here: sharded once where it is built,
+sent shard by shard when it migrates (:class:`ShardedPickling`: each source rank sends its local shards to the
+rank of the same replica index on the destination pipeline rank, which builds the layer on the meta device and
+shards it again over its own replica group, so no process ever holds a moving layer whole) and re-registered on
+arrival. Stage modules are rebuilt with every schedule; each becomes the FSDP root of its layers
+(:meth:`StageSharding.wrap`), which is what torch's pipeline stage drives.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import empty as dt_empty
+from torch.nn.parallel import DistributedDataParallel
+
+from dynmo_lightning.protocol import local_part as local
+from dynmo_lightning.protocol import may_leave_parameters_unused
+
+#: What ``DynMoStrategy(data_parallel=...)`` accepts.
+MODES = ("ddp", "replicate", "fsdp")
+
+#: Modes whose units are torch's FSDP2 machinery (DTensor parameters, driven by the pipeline stage itself).
+FSDP_MODES = ("replicate", "fsdp")
+
+#: ``nn.Module`` attributes that hold hooks (FSDP's are dropped when a sharded layer is pickled for migration).
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def is_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 or replicate unit (its parameters are DTensors it manages)."""
+    return isinstance(module, FSDPModule)
+
+
+def _state(module: nn.Module) -> Any:
+    return replicate.state(module) if isinstance(module, ReplicateModule) else fully_shard.state(module)
+
+
+def _plain_class(cls: type) -> type:
+    """The module class FSDP2 or replicate derived ``cls`` from (``FSDPBlock`` -> ``Block``)."""
+    return next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+
+
+class StageSharding:
+    """How this process's stages share their layers with their replicas (see the module docstring).
+
+    Args:
+        mode: a key of :data:`MODES`.
+        mesh: returns the 1-D ``DeviceMesh`` of this process's replica group (``None``: one replica under
+            ``"ddp"``); called again after the world changes.
+        device: where this process's layers live.
+        param_dtype: the dtype layers compute in under ``bf16-mixed`` (FSDP2's ``MixedPrecisionPolicy``: the
+            sharded parameters and the gradient reduction stay in float32); ``None``: the parameters' own.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        mesh: Callable[[], Any],
+        device: torch.device,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"strategy.data_parallel={mode!r} is not one of {list(MODES)}")
+        self.mode = mode
+        self._mesh = mesh
+        self.device = device
+        self.param_dtype = param_dtype
+
+    @property
+    def units(self) -> bool:
+        """Whether layers are FSDP2 / replicate units (``"fsdp"``, ``"replicate"``)."""
+        return self.mode in FSDP_MODES
+
+    @property
+    def sharded(self) -> bool:
+        """Whether a layer's parameters are split over the replicas (``"fsdp"``)."""
+        return self.mode == "fsdp"
+
+    def mesh(self) -> Any:
+        """This process's replica mesh (1-D)."""
+        return self._mesh()
+
+    def _apply(self, module: nn.Module | list[nn.Module]) -> None:
+        mp = MixedPrecisionPolicy(
+            param_dtype=self.param_dtype, reduce_dtype=torch.float32 if self.param_dtype else None
+        )
+        if self.mode == "fsdp":
+            fully_shard(module, mesh=self.mesh(), reshard_after_forward=False, mp_policy=mp)
+        else:
+            replicate(module, mesh=self.mesh(), mp_policy=mp)
+
+    # --- layers -------------------------------------------------------------------------------------------------
+    def shard_layers(self, layers: Iterable[nn.Module]) -> None:
+        """Make every one of this process's ``layers`` (real, on its device) a unit, unless it is one already.
+
+        Raises:
+            ValueError: two of them share a parameter (a tie kept as one tensor on this process): FSDP manages a
+                parameter in one unit only.
+        """
+        if not self.units:
+            return
+        layers = list(layers)
+        todo = [layer for layer in layers if not is_unit(layer)]
+        seen: dict[int, int] = {}
+        for n, layer in enumerate(layers):
+            for p in layer.parameters():
+                if seen.setdefault(id(p), n) != n:
+                    raise ValueError(
+                        f"strategy.data_parallel={self.mode!r} makes every pipeline layer its own unit, and two "
+                        "layers on this process share a parameter (a tie, e.g. a token embedding tied to the head "
+                        "under a V schedule, which puts the first and last stage on one process): untie it "
+                        "(dynmo-train: model.tie_embeddings=false), or use strategy.data_parallel='ddp'"
+                    )
+        for layer in todo:
+            self._apply(layer)
+
+    def wrap(self, module: nn.Module, replicas: dist.ProcessGroup | None) -> nn.Module:
+        """The stage module for a step: in DDP over ``replicas``, or the FSDP root of its (unit) layers.
+
+        A new root is made whenever the stages are rebuilt: the layers' units forget the root they had, so the new
+        one takes them over at its first forward (torch's pipeline stage drives the root: gradient sync off for
+        every micro-batch, the reduction after the last).
+        """
+        if self.units:
+            for unit in module.modules():
+                if unit is not module and is_unit(unit):
+                    _state(unit)._is_root = None  # torch has no public reset: a root is found at the first forward
+            self._apply(module)
+            return module
+        if replicas is None or not any(p.requires_grad for p in module.parameters()):
+            return module  # nothing to average (one replica, or a stage whose layers are all frozen)
+        return DistributedDataParallel(
+            module,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            process_group=replicas,
+            broadcast_buffers=False,
+            find_unused_parameters=may_leave_parameters_unused(module),
+            init_sync=False,
+            gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy of every gradient
+        )
+
+    @staticmethod
+    def reshard(modules: Iterable[nn.Module]) -> None:
+        """Free the all-gathered parameters of the units in ``modules`` (after a forward-only schedule)."""
+        for module in modules:
+            for unit in module.modules():
+                if is_unit(unit):
+                    unit.reshard()
+
+    def fill_unused_grads(self, module: nn.Module, host_group: dist.ProcessGroup | None) -> None:
+        """Before the reduction: a zero gradient where another replica has one and this one has none.
+
+        FSDP2 reduce-scatters the gradients present, in order: replicas that miss different ones (an expert no token
+        of this replica reached) would reduce tensors of different sizes. Which parameters have a gradient is host
+        data, OR-ed over ``host_group`` (the replicas' CPU group), only for units that say a step may leave
+        parameters unused (``pipeline_unused_parameters``); one no replica used keeps no gradient, as in one process.
+        """
+        if self.mesh().size() == 1:
+            return
+        params = [
+            fp
+            for unit in module.modules()
+            if is_unit(unit) and unit is not module and may_leave_parameters_unused(unit)
+            for group in _state(unit)._fsdp_param_groups
+            for fp in group.fsdp_params
+            if fp.sharded_param.requires_grad
+        ]
+        if not params:
+            return
+        has = torch.tensor([_has_grad(fp) for fp in params], dtype=torch.uint8)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=host_group)
+        for fp, used in zip(params, has.tolist(), strict=True):
+            if used and not _has_grad(fp):
+                fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
+
+    # --- migration ----------------------------------------------------------------------------------------------
+    def adopt(self, module: nn.Module, shards: dict[int, Tensor]) -> nn.Module:
+        """Make a layer that arrived as :class:`ShardedPickling` left it a unit again, around the shards it brought.
+
+        Its parameters arrived as meta tensors of their full shape (``shards``: the received shard of each, by the
+        placeholder's ``id``). The layer is sharded over this process's replica group on the meta device (nothing
+        whole is allocated), then its sharded parameters become DTensors around the received shards: no copy, so a
+        move allocates the moving shards once, in their final memory.
+        """
+        by_name = {name: shards[id(p)] for name, p in module.named_parameters() if id(p) in shards}
+        if not by_name:
+            return module
+        self._apply(module)
+        made = {
+            id(p): DTensor.from_local(
+                by_name[name], p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+            for name, p in module.named_parameters()
+        }
+        # What `to_empty` does after FSDP2's meta-device sharding (FSDP2 takes the new local tensors in its own
+        # `_apply`), with the received shards instead of fresh memory; buffers arrived whole and stay.
+        module._apply(lambda t: made.get(id(t), t))
+        return module
+
+
+def _has_grad(fp: Any) -> bool:
+    return fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+class ShardedPickling:
+    """Pickling helpers for layers whose parameters are DTensors (migration's ``Packer`` and ``Unpacker`` use them).
+
+    Sending, an FSDP2 / replicate unit pickles as a plain module of its own class (FSDP's hooks and state left
+    behind), and a DTensor as its local shard plus its global shape and placements. Receiving, a DTensor parameter
+    comes back as a meta tensor of its global shape (:meth:`StageSharding.adopt` shards and fills it), any other
+    DTensor (optimizer state, a mask) as a DTensor over the receiver's replica mesh around the received shard.
+    """
+
+    @staticmethod
+    def reduce_unit(obj: Any) -> Any:
+        """``Pickler.reducer_override``: a unit, or a module inside one, as a plain module without FSDP's hooks.
+
+        ``NotImplemented`` (pickle as usual) for everything else.
+        """
+        unit = isinstance(obj, FSDPModule)
+        if not unit and not (isinstance(obj, nn.Module) and any(map(_from_fsdp, _hooks(obj)))):
+            return NotImplemented
+        state = dict(obj.__dict__)
+        drop = set()
+        for name in _HOOK_DICTS:
+            kept = {k: h for k, h in state[name].items() if not _from_fsdp(h)}
+            drop |= set(state[name]) - set(kept)
+            state[name] = type(state[name])(kept)
+        for name in _HOOK_FLAGS:
+            state[name] = type(state[name])((k, v) for k, v in state[name].items() if k not in drop)
+        for key in [k for k in state if k.startswith("__composable_api")]:
+            del state[key]
+        return _new_module, (_plain_class(type(obj)) if unit else type(obj),), state
+
+    @staticmethod
+    def dtensor_id(t: DTensor) -> tuple[Tensor, tuple[Any, ...]]:
+        """The shard to send and what rebuilds the DTensor: ``(global shape, stride, placements)``."""
+        return local(t).detach(), (tuple(t.shape), tuple(t.stride()), tuple(t.placements))
+
+    @staticmethod
+    def dtensor_load(shard: Tensor, spec: tuple[Any, ...], is_param: bool, mesh: Any) -> Tensor:
+        """A received DTensor: a meta placeholder of its global shape for a parameter, else a DTensor on ``mesh``."""
+        shape, stride, placements = spec
+        if is_param:
+            return torch.empty(shape, dtype=shard.dtype, device="meta")
+        return DTensor.from_local(shard, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def full_tensors(obj: Any) -> Any:
+    """``obj`` (a state dict, optimizer states) with every DTensor replaced by its whole tensor.
+
+    Collective over each DTensor's mesh for sharded ones: every replica of the stage must call it, in the same
+    order (the same layers and names on all of them).
+    """
+    return apply_to_collection(obj, DTensor, lambda t: t.full_tensor())
+
+
+def shard_like(value: Tensor, like: Tensor) -> Tensor:
+    """A whole tensor ``value`` as a DTensor laid out as ``like`` (each process keeps its part; no communication)."""
+    if not isinstance(like, DTensor) or isinstance(value, DTensor):
+        return value
+    return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def template_like(shape: Sequence[int], dtype: torch.dtype, like: Tensor | None) -> Tensor:
+    """An empty tensor of a saved ``shape`` to read a checkpoint into: a DTensor laid out as ``like`` if that is one.
+
+    DCP reads into it only the part this process holds.
+    """
+    if isinstance(like, DTensor):
+        return dt_empty(*shape, dtype=dtype, device_mesh=like.device_mesh, placements=like.placements)
+    return torch.empty(tuple(shape), dtype=dtype)
+
+
+def _new_module(cls: type) -> nn.Module:
+    return cls.__new__(cls)
+
+
+def _hooks(module: nn.Module) -> Iterable[Any]:
+    return (h for name in _HOOK_DICTS for h in module.__dict__.get(name, {}).values())
+
+
+#: Where FSDP2's and replicate's hooks come from.
+_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable")
+
+
+def _from_fsdp(hook: Any) -> bool:
+    """Whether a module hook is one of torch.distributed's (FSDP2's own, behind partials and ``_WrappedHook``)."""
+    while isinstance(hook, functools.partial) or hasattr(hook, "hook"):
+        hook = hook.func if isinstance(hook, functools.partial) else hook.hook
+    return getattr(getattr(hook, "__func__", hook), "__module__", "").startswith(_FSDP_MODULES)
