@@ -36,10 +36,12 @@ def fit(
     measure_from: int,
     microbatches: int = 4,
     schedule: str = "1f1b",
+    **settings: Any,
 ) -> Iterator[tuple[L.Trainer, float]]:
     """Train a GPT for ``steps`` steps in a fresh world; yields the trainer and tokens/s measured from ``measure_from``.
 
-    The world (process group) is up inside the ``with`` block and ends when it does.
+    The world (process group) is up inside the ``with`` block and ends when it does. ``settings``: more of the
+    strategy's (``data_parallel_size``, ``data_parallel``, ...); tokens/s counts every replica's batch.
     """
     with fresh_world():
         L.seed_everything(0)
@@ -48,7 +50,7 @@ def fit(
             accelerator="cpu",
             devices=world_size(),
             max_steps=steps,
-            strategy=DynMoStrategy(n_microbatches=microbatches, schedule=schedule),
+            strategy=DynMoStrategy(n_microbatches=microbatches, schedule=schedule, **settings),
             callbacks=[timer, *callbacks],
             logger=False,
             enable_checkpointing=False,
@@ -58,4 +60,5 @@ def fit(
         )
         datamodule = StdlibCharDataModule(max_bytes=2_000_000, **data)
         trainer.fit(GPT(**model), datamodule=datamodule)
-        yield trainer, timer.steps * datamodule.tokens_per_batch / timer.seconds
+        replicas = int(settings.get("data_parallel_size", 1))
+        yield trainer, replicas * timer.steps * datamodule.tokens_per_batch / timer.seconds

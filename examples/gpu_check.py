@@ -21,6 +21,10 @@ section checks and the value to expect:
 - ``hf_pruning``: structured pruning of a tiny Hugging Face Llama on the device;
 - ``checkpoint``: a sharded checkpoint saved and resumed on the device; the resumed losses equal the uninterrupted run;
 - ``layer_costs``: the layer cost table of the simulator (``dynmo_lightning.bench.layer_costs``) at LLM size in bf16;
+- ``fsdp``: ``data_parallel="fsdp"`` at P = 1 on one device (a mesh of one): DTensor parameters kept in fp32 with
+  FSDP2's bf16 mixed precision, the loss curve within bf16's tolerance of fp32's;
+- ``fsdp_two_gpus`` (two or more GPUs; reported as skipped otherwise): P = 1, D = 2 under fsdp (one replica per GPU,
+  half the batch each) against the fp32 run of one device;
 - ``pipeline_p2`` (two or more GPUs, or ``--pipeline``): P = 2 over NCCL (gloo on CPU) with a migration and a shrink
   to one rank, against P = 1. NCCL refuses two ranks on one GPU and gloo cannot send CUDA tensors, so one GPU checks
   P = 1 and the in-process pieces only.
@@ -50,6 +54,7 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.distributed.tensor import DTensor
 
 import dynmo_lightning
 from dynmo_lightning import DynMoStrategy
@@ -167,9 +172,9 @@ def gpt(sizes: dict[str, int]) -> GPT:
     return GPT(**sizes, warmup_steps=0, tie_embeddings=False, init_seed=0)
 
 
-def corpus(block_size: int) -> StdlibCharDataModule:
-    """Batches of 8 sequences of the standard-library corpus, in a fixed order."""
-    return StdlibCharDataModule(block_size=block_size, batch_size=8, max_bytes=400_000, seed=0)
+def corpus(block_size: int, batch_size: int = 8) -> StdlibCharDataModule:
+    """Batches of 8 sequences of the standard-library corpus, in a fixed order (per replica: ``batch_size``)."""
+    return StdlibCharDataModule(block_size=block_size, batch_size=batch_size, max_bytes=400_000, seed=0)
 
 
 def fit(
@@ -574,6 +579,38 @@ def pipeline_p2(check: Check) -> dict[str, Any]:
             "tolerance": tol, **p2}  # fmt: skip
 
 
+def fsdp(check: Check) -> dict[str, Any]:
+    """``data_parallel="fsdp"`` on one device in ``bf16-mixed``: DTensor parameters, fp32 shards, bf16 compute."""
+    model, losses = gpt(GPT_SIZES[check.quick]), Losses()
+    trainer = fit(check, model, corpus(model.hparams.block_size), precision="bf16-mixed", callbacks=[losses],
+                  deterministic=False, strategy={"data_parallel": "fsdp"})  # fmt: skip
+    params = list(trainer.lightning_module.parameters())
+    sharded = all(isinstance(p, DTensor) for p in params)
+    fp32 = all(p.dtype == torch.float32 for p in params)
+    devices = sorted({str(p.to_local().device) if isinstance(p, DTensor) else str(p.device) for p in params})
+    worst = rel_diff(losses.values, fp32_losses(check, check.device))
+    return {"ok": sharded and fp32 and finite(losses.values) and worst <= TOLERANCES["bf16"],
+            "dtensor_parameters": sharded, "fp32_shards": fp32, "parameter_devices": devices,
+            "max_rel_diff_vs_fp32": worst, "tolerance": TOLERANCES["bf16"], "losses": losses.values}  # fmt: skip
+
+
+def fsdp_two_gpus(check: Check) -> dict[str, Any]:
+    """P = 1, D = 2 under fsdp in two fresh processes (one GPU each), against fp32 on one device."""
+    if check.device.cuda and torch.cuda.device_count() < 2:
+        return {"ok": True, "skipped": "needs two GPUs: each replica runs on its own (NCCL refuses two ranks on one)"}
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "fsdp2.json"
+        argv = [sys.executable, __file__, "--worker", str(out), "--worker-kind", "fsdp", "--device",
+                check.device.name, "--steps", str(check.steps), *(["--quick"] if check.quick else [])]  # fmt: skip
+        codes = run_ranks(2, argv, log_dir=Path(d), tag="fsdp2", timeout=300)
+        if any(c != 0 for c in codes) or not out.exists():
+            logs = "".join((Path(d) / f"fsdp2.rank{r}.log").read_text()[-2000:] for r in range(2))
+            return {"ok": False, "exit_codes": codes, "log": logs}
+        run = json.loads(out.read_text())
+    worst, tol = rel_diff(run["losses"], fp32_losses(check, check.device)), _same_math(check.device)
+    return {"ok": worst <= tol, "max_rel_loss_diff_vs_one_device": worst, "tolerance": tol, **run}
+
+
 class Resize(L.Callback):
     """Move a layer at a third of the run (a migration), consolidate onto rank 0 at two thirds (a shrink)."""
 
@@ -590,10 +627,17 @@ class Resize(L.Callback):
             strategy.shrink([0], [strategy.n_layers])
 
 
-def worker(out: Path, device: str, steps: int, quick: bool) -> None:
-    """One rank of :func:`pipeline_p2`: the fp32 run of :func:`fp32_losses` at P = 2, moved and shrunk."""
+def worker(out: Path, device: str, steps: int, quick: bool, kind: str = "pipeline") -> None:
+    """One rank of :func:`pipeline_p2` (the fp32 run of :func:`fp32_losses` at P = 2, moved and shrunk) or of
+    :func:`fsdp_two_gpus` (``kind="fsdp"``: the same run at P = 1, D = 2 under fsdp, half the batch per replica)."""
     check = Check(Device(device), steps, quick)
     model, losses = gpt(GPT_SIZES[quick]), Losses()
+    if kind == "fsdp":
+        trainer = fit(check, model, corpus(model.hparams.block_size, batch_size=4), devices=2, callbacks=[losses],
+                      strategy={"data_parallel": "fsdp", "data_parallel_size": 2})  # fmt: skip
+        if trainer.global_rank == 0:
+            out.write_text(json.dumps({"losses": losses.values, "replicas": trainer.strategy.dp_size}))
+        return
     trainer = fit(check, model, corpus(model.hparams.block_size), devices=2, callbacks=[losses, Resize(steps)])
     if trainer.global_rank == 0:  # the released rank left during training
         result = {"losses": losses.values, "partitions": trainer.strategy.partitions,
@@ -610,7 +654,7 @@ def sections(dynamics: list[str], pipeline: bool) -> dict[str, Callable[[Check],
         "refuses_16_mixed": refuses_16_mixed, "device_vs_cpu": device_vs_cpu, "bf16_vs_fp32": bf16_vs_fp32,
         **{f"dynamics.{d}": functools.partial(dynamic_syncs, dynamic=d) for d in dynamics},
         "profile": profile, "migration": migration, "hf_pruning": hf_pruning, "checkpoint": checkpoint,
-        "layer_costs": layer_cost_table,
+        "layer_costs": layer_cost_table, "fsdp": fsdp, "fsdp_two_gpus": fsdp_two_gpus,
     }  # fmt: skip
     if pipeline:
         chosen["pipeline_p2"] = pipeline_p2
@@ -661,9 +705,10 @@ def main() -> None:
     parser.add_argument("--pipeline", action="store_true", help="also P = 2 (default: with two or more GPUs)")
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-kind", default="pipeline", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(Path(args.worker), args.device, args.steps, args.quick)
+        worker(Path(args.worker), args.device, args.steps, args.quick, args.worker_kind)
         return
     dynamics = args.dynamics.split(",")
     if set(dynamics) - {"none", *PRESETS}:

@@ -207,26 +207,24 @@ class StageSharding:
 
     # --- migration ----------------------------------------------------------------------------------------------
     def adopt(self, module: nn.Module, shards: dict[int, Tensor]) -> nn.Module:
-        """Make a layer that arrived as :class:`ShardedPickling` left it a unit again, around the shards it brought.
+        """Make a layer that arrived as :class:`ShardedPickling` left it a unit again, with the shards it brought.
 
         Its parameters arrived as meta tensors of their full shape (``shards``: the received shard of each, by the
         placeholder's ``id``). The layer is sharded over this process's replica group on the meta device (nothing
-        whole is allocated), then its sharded parameters become DTensors around the received shards: no copy, so a
-        move allocates the moving shards once, in their final memory.
+        whole is allocated), materialised (FSDP2's meta-device initialisation: each process allocates its shards)
+        and filled with the received shards, which are then freed.
         """
-        by_name = {name: shards[id(p)] for name, p in module.named_parameters() if id(p) in shards}
+        by_name = {name: shards.pop(id(p)) for name, p in module.named_parameters() if id(p) in shards}
         if not by_name:
             return module
+        buffers = {(m, n): b for m in module.modules() for n, b in m._buffers.items() if b is not None}
         self._apply(module)
-        made = {
-            id(p): DTensor.from_local(
-                by_name[name], p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
-            for name, p in module.named_parameters()
-        }
-        # What `to_empty` does after FSDP2's meta-device sharding (FSDP2 takes the new local tensors in its own
-        # `_apply`), with the received shards instead of fresh memory; buffers arrived whole and stay.
-        module._apply(lambda t: made.get(id(t), t))
+        module.to_empty(device=self.device)
+        for (m, n), b in buffers.items():
+            m._buffers[n] = b  # received whole, with their values (``to_empty`` left fresh memory)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                local(p).copy_(by_name.pop(name))  # the received shard goes as soon as it is copied
         return module
 
 

@@ -10,7 +10,7 @@ from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.balance import InfeasibleMemoryError, bottleneck, partition
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
-from dynmo_lightning.pipeline.launcher import layer_param_bytes
+from dynmo_lightning.pipeline.launcher import layer_param_bytes, meta_layers
 from dynmo_lightning.pipeline.sharded import load_whole
 
 # a warm-up LR schedule runs too: migrations must leave the scheduler (bound to the same optimizer) intact
@@ -117,7 +117,7 @@ def test_bad_balancer_arguments(kwargs, match):
 @pytest.mark.parametrize("weights_fit", [True, False])
 def test_memory_capacity_no_partition_satisfies(weights_fit):
     model = GPT(n_layer=2, n_embd=32, n_head=4, block_size=32)
-    weights = sum(layer_param_bytes(model))
+    weights = sum(layer_param_bytes(meta_layers(model)))
     # Room for the weights but not for their gradients and Adam's state: found at the first check, on every process.
     # Not even room for the weights: refused by the launching process, before any worker starts.
     capacity = 1.2 * weights if weights_fit else 1000.0

@@ -84,6 +84,7 @@ def launch(
     inject_costs: bool = False,
     load_rises_at: int | None = None,
     forbid_gathers: bool = False,
+    base: list[str] = TINY,
 ) -> dict[Path, CliRun]:
     """Run several dynmo-train configurations in one launch of ``world_size`` processes (``tests/support/_worker.py``).
 
@@ -91,13 +92,14 @@ def launch(
     :class:`CliRun` per run directory. ``inject_costs``: the balancer plans from structural layer costs instead of
     measured times (``tests/support/injected_costs.py``), for tests whose verdict depends on its decisions; from step
     ``load_rises_at`` on, frozen layers cost as if they trained again. ``forbid_gathers``: every gather collective
-    raises while the balancer plans (``tests/support/_worker.py``).
+    raises while the balancer plans (``tests/support/_worker.py``). ``base``: the overrides every case starts from
+    (the tiny GPT's; another model's for Hugging Face cases).
     """
     spec_dir = next(iter(cases)).parent
     spec_dir.mkdir(parents=True, exist_ok=True)
     spec = {
         "cases": [
-            {"run_dir": str(d), "overrides": [*TINY, *o, f"trainer.devices={world_size}"]} for d, o in cases.items()
+            {"run_dir": str(d), "overrides": [*base, *o, f"trainer.devices={world_size}"]} for d, o in cases.items()
         ],
         "inject_costs": inject_costs,
         "load_rises_at": load_rises_at,
