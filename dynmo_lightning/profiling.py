@@ -90,6 +90,9 @@ class LayerCost:
         recompute_bytes: bytes a checkpointed layer's recomputation rebuilds during its backward (0 for the others).
         bwd_input: the backward's input part (gradients of the activations); all of it unless the schedule splits.
         bwd_weight: the backward's weight part (gradients of the parameters) under a zero-bubble schedule, else 0.
+        input_bytes: its input activation of one micro-batch (what a stage starting at the layer receives).
+        weight_copies_bytes: copies of its weights held for the step, once for all micro-batches: autocast's
+            casts (bf16-mixed caches them for the whole step) or FSDP2's gathered weights.
     """
 
     fwd: float
@@ -98,6 +101,8 @@ class LayerCost:
     recompute_bytes: int
     bwd_input: float = 0.0
     bwd_weight: float = 0.0
+    input_bytes: int = 0
+    weight_copies_bytes: int = 0
 
 
 class LayerProfiler:
@@ -116,8 +121,12 @@ class LayerProfiler:
     def _reset(self) -> None:
         self._calls = 0
         self._fwd: list[tuple[int, Any, Any]] = []
+        self._gathers: list[tuple[int, Any, Any]] = []  # FSDP2 all-gathers, part of the layers' forward
         self._act: dict[int, int] = defaultdict(int)
         self._recompute: dict[int, int] = defaultdict(int)
+        self._inputs: dict[int, int] = {}
+        self._copies: dict[int, int] = defaultdict(int)
+        self._copied: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
         self._events: list[tuple[str, Any, Any]] = []
         self._hooks: list[Any] = []
         self._seen_layers: set[int] = set()
@@ -140,8 +149,14 @@ class LayerProfiler:
             index = first_index + offset
             if isinstance(layer, FSDPModule):
                 # FSDP2 gathers the weights at the forward anyway (kept for the step under a pipeline): gathered
-                # first, the hooks below watch the parameters autograd computes with, not the shards.
+                # first, the hooks below watch the parameters autograd computes with, not the shards. The gather
+                # is the layer's forward cost (once per step: the micro-batch that gathers pays it).
+                gather = self._clock.now()
                 layer.unshard()
+                self._gathers.append((index, gather, self._clock.now()))
+                self._copies[index] = sum(p.numel() * p.element_size() for p in layer.parameters())
+            self._inputs[index] = sum(t.numel() * t.element_size() for t in as_tuple(x)
+                                      if isinstance(t, Tensor) and t.is_floating_point())  # fmt: skip
             self._mark(x, (call, index))
             if not any(t.requires_grad for t in as_tuple(x) if isinstance(t, Tensor)):
                 self._watch_params(index, layer)
@@ -165,20 +180,37 @@ class LayerProfiler:
         (a checkpointed layer's input is kept, not rebuilt), parameters never. Storages are told apart by identity,
         not address: what a checkpoint saves is freed at once, and the next tensor may take its address.
         """
-        params = {local_part(p).untyped_storage().data_ptr() for p in layer.parameters()}
+        # by identity, as the saved storages (fake tensors, which size models without memory, have no addresses)
+        params = weakref.WeakSet(local_part(p).untyped_storage() for p in layer.parameters())
+        own = {id(p) for p in layer.parameters()}
         seen: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
         def add(t: Tensor, into: dict[int, int]) -> None:
             storage = t.untyped_storage()
-            if storage.data_ptr() not in params and storage not in seen:
+            if storage not in params and storage not in seen:
                 seen.add(storage)
                 into[index] += storage.nbytes()
 
+        def copy(t: Tensor) -> bool:
+            # a weight cast by autocast: cached for the whole step, shared by every micro-batch (also where the
+            # layer is checkpointed: its recomputation finds the cast in the cache)
+            if not _weight_copy(t, own):
+                return False
+            if t.untyped_storage() not in self._copied:
+                self._copied.add(t.untyped_storage())
+                self._copies[index] += t.untyped_storage().nbytes()
+            return True
+
         def pack(t: Tensor) -> Tensor:
-            add(t, self._act)
+            if not copy(t):
+                add(t, self._act)
             return t
 
-        return pack, lambda t: add(t, self._recompute)
+        def observe(t: Tensor) -> None:
+            if not copy(t):
+                add(t, self._recompute)
+
+        return pack, observe
 
     def _mark(self, x: Any, key: tuple[int, int]) -> None:
         """Timestamp the gradient's arrival at boundary ``key = (call, layer whose input this is)``."""
@@ -244,6 +276,8 @@ class LayerProfiler:
         for index, start, end in self._fwd:
             fwd[index] += self._clock.elapsed(start, end)
             calls[index] += 1
+        for index, start, end in self._gathers:
+            fwd[index] += self._clock.elapsed(start, end)
         bwd, weight = self._backward_times(), self._weight_times()
         result = {
             i: LayerCost(
@@ -253,6 +287,8 @@ class LayerProfiler:
                 recompute_bytes=self._recompute[i] // n,
                 bwd_input=bwd.get(i, 0.0) / n,
                 bwd_weight=weight.get(i, 0.0) / n,
+                input_bytes=self._inputs.get(i, 0),
+                weight_copies_bytes=self._copies[i],
             )
             for i, n in calls.items()
         }
@@ -291,6 +327,36 @@ class LayerProfiler:
                 out[key] += max(0.0, self._clock.elapsed(previous, stamp))
                 previous = stamp
         return out
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Total memory of a GPU ``device`` in bytes; ``None`` elsewhere (CPU memory is the host's, not planned)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+#: Autograd nodes a saved weight may sit behind (a transposed or reshaped view of the cast).
+_VIEWS = ("TBackward", "TransposeBackward", "PermuteBackward", "ViewBackward", "UnsafeViewBackward", "ExpandBackward")
+
+
+def _weight_copy(t: Tensor, params: set[int]) -> bool:
+    """Whether ``t`` is a cast of one of ``params`` (ids), possibly behind views: what autocast saves for a weight.
+
+    Told by the autograd graph, not the shape (an activation can have a weight's shape: sequence = hidden size).
+    """
+    fn = t.grad_fn
+    for _ in range(4):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name.startswith("ToCopyBackward"):
+            return any(getattr(nxt, "variable", None) is not None and id(nxt.variable) in params
+                       for nxt, _ in fn.next_functions if nxt is not None)  # fmt: skip
+        if not name.startswith(_VIEWS):
+            return False
+        fn = fn.next_functions[0][0]
+    return False
 
 
 def static_memory(layer: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int]:

@@ -96,6 +96,8 @@ def test_gpu_check_on_cpu_without_hydra(tmp_path):
     assert s["migration"]["fused"]["identical"] and s["migration"]["foreach"]["state_arrived"]
     assert s["hf_pruning"]["pruned"] and s["checkpoint"]["sharded"] and s["checkpoint"]["max_rel_diff"] == 0.0
     assert s["layer_costs"]["table"]["block"]["trainable"]["fwd"] > 0
+    assert s["fsdp"]["dtensor_parameters"] and s["fsdp"]["fp32_shards"]  # FSDP2's bf16 mixed precision, a mesh of one
+    assert s["fsdp_two_gpus"]["replicas"] == 2 and s["fsdp_two_gpus"]["max_rel_loss_diff_vs_one_device"] <= 1e-5
     p2 = s["pipeline_p2"]
     assert [len(p["layers_per_stage"]) for p in p2["partitions"]] == [2, 2, 1] and p2["world_size_end"] == 1
     assert p2["max_rel_loss_diff_vs_p1"] <= 1e-6

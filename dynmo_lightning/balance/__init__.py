@@ -34,6 +34,9 @@ the number of layers, stage ``i`` holding the next contiguous block. Stages and 
   (:mod:`~dynmo_lightning.balance.placement`); an ``O(P M)`` event engine, the one the simulator runs too.
 * :func:`makespan_split`, :class:`StepModel` (:mod:`~dynmo_lightning.balance.planner`) - the makespan-optimal split
   within memory caps, what every decision plans for.
+* Memory (:mod:`~dynmo_lightning.balance.memory`): :class:`MemoryModel` - every rank's peak under the schedule's
+  own task order (weights, gradients, optimizer state, in-flight activations, receive buffers, weight copies, the
+  backward's transient) and during a migration; :class:`MemoryCheck` - what plans, moves and repacks must fit.
 * Closed form (:mod:`~dynmo_lightning.balance.cost_model`): :func:`stage_times`, :func:`step_time`,
   :func:`bubble_fraction`, :func:`should_repartition` - the fill/drain estimate of GPipe/1F1B (exact only where its
   module says), and whether a re-partition saves more than the migration costs.
@@ -52,6 +55,7 @@ from dynmo_lightning.balance.layout import (
     validate_partition,
 )
 from dynmo_lightning.balance.makespan import makespan
+from dynmo_lightning.balance.memory import LayerBytes, MemoryCheck, MemoryModel
 from dynmo_lightning.balance.optimal import InfeasibleMemoryError
 from dynmo_lightning.balance.partition import METHODS, partition
 from dynmo_lightning.balance.planner import StepModel, makespan_split
@@ -66,6 +70,9 @@ __all__ = [
     "Decision",
     "DiffusionResult",
     "InfeasibleMemoryError",
+    "LayerBytes",
+    "MemoryCheck",
+    "MemoryModel",
     "PipelineShape",
     "RepackPlan",
     "StepModel",

@@ -20,6 +20,7 @@ optimum of the makespan that is never worse than the bottleneck-optimal split.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from dynmo_lightning.balance.layout import validate_partition
 from dynmo_lightning.balance.makespan import ZERO_BUBBLE, execute, lower_bound, rank_orders
+from dynmo_lightning.balance.memory import MemoryCheck
 from dynmo_lightning.balance.optimal import InfeasibleMemoryError
 from dynmo_lightning.balance.partition import partition
 from dynmo_lightning.balance.placement import stage_ranks
@@ -122,7 +124,7 @@ def makespan_split(
     model: StepModel,
     n_stages: int,
     *,
-    memory: Sequence[float] | None = None,
+    memory: Sequence[float] | MemoryCheck | None = None,
     capacity: float | Sequence[float] | None = None,
     start: Sequence[int] | None = None,
 ) -> tuple[float, list[int]] | None:
@@ -131,56 +133,104 @@ def makespan_split(
     Args:
         model: the step model (costs, schedule, placement).
         n_stages: stages of the split (``stages_per_rank`` times the ranks).
-        memory: memory each layer needs (with ``capacity``): every stage of the result fits.
-        capacity: memory a stage may hold, one number or one per stage.
+        memory: what fits: memory each layer needs (with ``capacity``: every stage's sum within it), or a
+            :class:`~dynmo_lightning.balance.memory.MemoryCheck` (every rank's predicted peak within its
+            capacity, ``capacity`` unused).
+        capacity: memory a stage may hold, one number or one per stage (with per-layer ``memory``).
         start: the split to climb from; default the bottleneck-optimal one.
 
     Returns:
         ``(makespan, split)``, or ``None`` when no split fits in memory.
     """
-    key = (
-        n_stages,
-        None if memory is None else tuple(memory),
-        capacity if capacity is None or isinstance(capacity, (int, float)) else tuple(capacity),
-        None if start is None else tuple(start),
-    )
+    fit = _Fit(memory, capacity, n_stages)
+    key = (n_stages, fit.key, None if start is None else tuple(start))
     if key not in model.plans:  # the policy asks again at every check while the costs stand
-        model.plans[key] = _search(model, n_stages, memory, capacity, start)
+        model.plans[key] = _search(model, n_stages, fit, start)
     found = model.plans[key]
     return None if found is None else (found[0], list(found[1]))
 
 
-def _search(
-    model: StepModel,
-    n_stages: int,
-    memory: Sequence[float] | None,
-    capacity: float | Sequence[float] | None,
-    start: Sequence[int] | None,
-) -> tuple[float, list[int]] | None:
-    try:
-        seed = partition(model.costs, n_stages, method="optimal", memory=memory, capacity=capacity)
-    except InfeasibleMemoryError:
-        return None
-    caps = _caps(capacity, n_stages) if memory is not None else None
-    mem = None if memory is None else np.concatenate([[0.0], np.cumsum(memory)])
+class _Fit:
+    """What fits in memory, for the search: whole splits, and stages while a split is built (prune when false).
+
+    From per-layer memory and capacities (a stage's sum), or from a
+    :class:`~dynmo_lightning.balance.memory.MemoryCheck` (every rank's predicted peak).
+    """
+
+    def __init__(
+        self, memory: Sequence[float] | MemoryCheck | None, capacity: float | Sequence[float] | None, n_stages: int
+    ) -> None:
+        self.check = memory if isinstance(memory, MemoryCheck) else None
+        self.n_stages = n_stages
+        self.memory = None if memory is None or self.check is not None else list(memory)
+        self.capacity = capacity
+        self.caps = _caps(capacity, n_stages) if self.memory is not None else None
+        self.prefix = None if self.memory is None else np.concatenate([[0.0], np.cumsum(self.memory)])
+
+    @property
+    def key(self) -> Any:
+        """What the search's result depends on."""
+        if self.check is not None:
+            return id(self.check)
+        capacity = self.capacity
+        return (None if self.memory is None else tuple(self.memory),
+                capacity if capacity is None or isinstance(capacity, (int, float)) else tuple(capacity))  # fmt: skip
+
+    @property
+    def limited(self) -> bool:
+        """Whether memory limits the splits at all."""
+        return self.check is not None or self.prefix is not None
+
+    def split(self, split: Sequence[int]) -> bool:
+        """Whether a whole split fits."""
+        if self.check is not None:
+            return self.check.fits(split)
+        return _fits(split, self.prefix, self.caps)
+
+    def stage(self, stage: int, start: int, end: int) -> bool:
+        """Whether stage ``stage`` may hold layers ``start..end`` (false: it cannot, nor with more layers)."""
+        if self.check is not None:
+            return self.check.stage_fits(self.n_stages, stage, start, end)
+        if self.prefix is None or self.caps is None:
+            return True
+        return self.prefix[end] - self.prefix[start] <= self.caps[stage]
+
+    def seed(self, costs: Sequence[float]) -> list[int] | None:
+        """The bottleneck-optimal split that fits (``None``: no split fits)."""
+        try:
+            if self.check is None:
+                return list(partition(costs, self.n_stages, method="optimal", memory=self.memory,
+                                      capacity=self.capacity))  # fmt: skip
+        except InfeasibleMemoryError:
+            return None
+        seed = list(partition(costs, self.n_stages, method="optimal"))
+        return seed if self.check is None or self.check.fits(seed) else self.check.feasible(self.n_stages)
+
+
+def _search(model: StepModel, n_stages: int, fit: _Fit, start: Sequence[int] | None) -> tuple[float, list[int]] | None:
+    seed = fit.seed(model.costs)
+    if seed is None:
+        if fit.check is None:
+            return None  # the bottleneck partitioner proved that no split fits
+        # no split found to start from (several stages per rank): the exhaustive search alone, from nothing
+        found = _branch_and_bound(model, n_stages, math.inf, [], fit)
+        return found if found[1] else None
     best_split = list(seed)
     best = model(best_split)
     if start is not None:
         start = validate_partition(start, model.n_layers)
-        if len(start) == n_stages and _fits(start, mem, caps) and model(start) < best:
+        if len(start) == n_stages and fit.split(start) and model(start) < best:
             best_split, best = list(start), model(start)
-    best, best_split = _climb(model, best, best_split, mem, caps)
-    return _branch_and_bound(model, n_stages, best, best_split, mem, caps)
+    best, best_split = _climb(model, best, best_split, fit)
+    return _branch_and_bound(model, n_stages, best, best_split, fit)
 
 
-def _climb(
-    model: StepModel, best: float, best_split: list[int], mem: np.ndarray | None, caps: list[float] | None
-) -> tuple[float, list[int]]:
+def _climb(model: StepModel, best: float, best_split: list[int], fit: _Fit) -> tuple[float, list[int]]:
     """Best-improvement local search over :func:`_neighbours` (bounded candidates are never simulated)."""
     while True:
         improved = None
         for candidate in _neighbours(best_split):
-            if not _fits(candidate, mem, caps) or model.bound(candidate) >= best * (1 - TOLERANCE):
+            if model.bound(candidate) >= best * (1 - TOLERANCE) or not fit.split(candidate):
                 continue
             t = model(candidate)
             if t < best * (1 - TOLERANCE) and (improved is None or t < improved[0]):
@@ -191,19 +241,15 @@ def _climb(
 
 
 def _branch_and_bound(
-    model: StepModel,
-    n_stages: int,
-    best: float,
-    best_split: list[int],
-    mem: np.ndarray | None,
-    caps: list[float] | None,
+    model: StepModel, n_stages: int, best: float, best_split: list[int], fit: _Fit
 ) -> tuple[float, list[int]]:
     """Every split whose lower bound beats the incumbent, stage by stage, within :data:`NODE_BUDGET` nodes.
 
     A partial split (stages ``0..k`` fixed) is cut off when a rank's bound already reaches the incumbent: the
     forwards before its first stage plus ``M`` times the work of its stages fixed so far, or, for the ranks of the
-    stages still open, ``M`` times their fixed work plus the layers left, shared as evenly as possible. Exhaustive
-    (hence exact) when it ends within the budget; otherwise the incumbent stands.
+    stages still open, ``M`` times their fixed work plus the layers left, shared as evenly as possible; or when a
+    stage no longer fits in memory. Exhaustive (hence exact) when it ends within the budget; otherwise the
+    incumbent stands.
     """
     n_layers, m = model.n_layers, model.n_microbatches
     ranks = stage_ranks(model.schedule, n_stages // model.stages_per_rank, model.stages_per_rank)
@@ -226,13 +272,13 @@ def _branch_and_bound(
             return
         if stage == n_stages:
             t = model(split)
-            if t < incumbent[0] * (1 - TOLERANCE):
+            if t < incumbent[0] * (1 - TOLERANCE) and fit.split(split):
                 incumbent[0], incumbent[1] = t, list(split)
             return
         left, r, bar = n_stages - stage - 1, ranks[stage], incumbent[0] * (1 - TOLERANCE)
         ends = []
         for end in range(start + 1 if left else n_layers, n_layers - left + 1):
-            if mem is not None and caps is not None and mem[end] - mem[start] > caps[stage]:
+            if fit.limited and not fit.stage(stage, start, end):
                 break
             add = cost[end] - cost[start]
             own = pf[first[r]] + m * (load[r] + add)
@@ -246,7 +292,7 @@ def _branch_and_bound(
                     continue
             ends.append(end)
         # Nearest the incumbent's cut first: good splits are found early and bound the rest harder.
-        target = sum(incumbent[1][: stage + 1])
+        target = sum(incumbent[1][: stage + 1]) if incumbent[1] else (stage + 1) * n_layers // n_stages
         for end in sorted(ends, key=lambda e: abs(e - target)):
             add = cost[end] - cost[start]
             load[r] += add
@@ -293,3 +339,31 @@ def _fits(split: Sequence[int], mem: np.ndarray | None, caps: list[float] | None
         return True
     bounds = np.concatenate([[0], np.cumsum(split)]).astype(int)
     return all(float(u) <= c for u, c in zip(np.diff(mem[bounds]), caps, strict=True))
+
+
+def even_memory(
+    model: StepModel, check: MemoryCheck, split: Sequence[int], makespan: float, cost: float = 0.03
+) -> list[int]:
+    """The split whose ranks' predicted peaks are the most even found within ``cost`` of ``makespan``.
+
+    From ``split`` (the fastest found) and from the split that fills the ranks most evenly
+    (:meth:`~dynmo_lightning.balance.memory.MemoryCheck.feasible`), a local search over one-layer moves lowers the
+    ratio of the largest to the smallest peak while the makespan stays within ``(1 + cost) * makespan`` and every
+    rank fits. A heuristic: the even split it returns is not proven the most even.
+    """
+    bar = makespan * (1 + cost)
+    best, spread = list(split), check.spread(split)
+    even = check.feasible(len(split))
+    if even is not None and model(even) <= bar and check.spread(even) < spread:
+        best, spread = even, check.spread(even)
+    while True:
+        improved = None
+        for candidate in _neighbours(best):
+            if model.bound(candidate) > bar or not check.fits(candidate):
+                continue
+            s = check.spread(candidate)
+            if s < spread * (1 - TOLERANCE) and (improved is None or s < improved[0]) and model(candidate) <= bar:
+                improved = (s, candidate)
+        if improved is None:
+            return best
+        spread, best = improved

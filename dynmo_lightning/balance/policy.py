@@ -48,8 +48,10 @@ from dynmo_lightning.balance.diffusion import (
 )
 from dynmo_lightning.balance.layout import bytes_moved
 from dynmo_lightning.balance.makespan import makespan
+from dynmo_lightning.balance.memory import MemoryCheck
+from dynmo_lightning.balance.optimal import InfeasibleMemoryError
 from dynmo_lightning.balance.partition import partition
-from dynmo_lightning.balance.planner import StepModel, makespan_split
+from dynmo_lightning.balance.planner import StepModel, even_memory, makespan_split
 from dynmo_lightning.balance.repack import best_split, plan_repack
 from dynmo_lightning.balance.settings import DEFAULT_BANDWIDTH, BalanceSettings
 from dynmo_lightning.balance.tracker import CostTracker
@@ -116,7 +118,9 @@ class Decision:
         bytes_moved: bytes of the layers that change rank.
         migration_s: predicted time of the move.
         saving_s: predicted saving until the next check (before subtracting ``migration_s``).
-        info: method-specific numbers (``diffusion_rounds``).
+        info: method-specific numbers (``diffusion_rounds``; ``memory`` when a move was refused for its transient).
+        steps: splits a migration passes through before ``proposed`` (moved in parts: the whole move at once
+            would hold more than a rank's memory capacity on the way); empty: at once.
     """
 
     action: str
@@ -129,6 +133,7 @@ class Decision:
     migration_s: float = 0.0
     saving_s: float = 0.0
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    steps: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 class BalancePolicy:
@@ -158,6 +163,7 @@ class BalancePolicy:
         self.full_stages = 0
         #: Fresh measurements since the last event (``None``: no event waiting for its check).
         self.after_event: int | None = None
+        self._check: tuple[Any, MemoryCheck] | None = None  # the memory check of the costs in force, made once
         self._rng = random.Random(s.seed)
         self._model: tuple[Any, StepModel, Any] | None = None
 
@@ -223,8 +229,8 @@ class BalancePolicy:
                 raise ValueError("method='params' needs the layers' parameter counts")
             return partition(list(pipe.param_counts), n_stages, method="params"), {}
         assert self.tracker is not None
-        memory, capacity = self._memory(pipe)
         if self.settings.method == "diffusion":
+            memory, capacity = self._additive(pipe)
             result = diffuse(
                 self.tracker.compute,
                 pipe.layers_per_stage,
@@ -233,10 +239,14 @@ class BalancePolicy:
                 mode=self.settings.diffusion_mode,
             )
             return result.layers_per_stage, {"diffusion_rounds": result.rounds}
-        found = makespan_split(self.step_model(pipe), n_stages, memory=memory, capacity=capacity)
-        if found is None:  # no split fits: let the partitioner say why
-            partition(self.tracker.compute, n_stages, method="optimal", memory=memory, capacity=capacity)
-        assert found is not None
+        check, _ = self._memory(pipe)
+        model = self.step_model(pipe)
+        found = makespan_split(model, n_stages, memory=check)
+        if found is None:
+            assert check is not None
+            raise InfeasibleMemoryError(_no_split_fits(check, pipe, self.settings.memory_capacity))
+        if check is not None and self.settings.balance_memory:
+            return even_memory(model, check, found[1], found[0], self.settings.balance_memory_cost), {}
         return found[1], {}
 
     def diffusion_stage(self, pipe: PipelineShape, stage: int) -> DiffusionStage:
@@ -249,7 +259,7 @@ class BalancePolicy:
         assert self.tracker is not None
         first = sum(pipe.layers_per_stage[:stage])
         own = range(first, first + pipe.layers_per_stage[stage])
-        v, memory = self.tracker.values, self._memory(pipe)[0]
+        v, memory = self.tracker.values, self._additive(pipe)[0]
         compute, moving = self.tracker.compute, self.layer_bytes()
         mem = [0.0] * len(compute) if memory is None else memory
         layers = [(compute[i], mem[i], v["fwd"][i], v["bwd"][i], moving[i]) for i in own]
@@ -359,7 +369,26 @@ class BalancePolicy:
         now, new = (self._makespan(pipe, *t) for t in (before, after))
         min_gain = self.settings.min_gain if self.settings.method != "static_time" else 0.0
         go, saving = repartition_pays(now, new, self.settings.every_n_steps, seconds, min_gain)
-        return Decision(MIGRATE if go else KEEP, current, proposed, None, now, new, moved, seconds, saving, info)
+        steps = self._staged(pipe, current, proposed, info) if go else []
+        go = go and steps is not None
+        return Decision(MIGRATE if go else KEEP, current, proposed, None, now, new, moved, seconds, saving, info,
+                        (steps or [])[:-1])  # fmt: skip
+
+    def _staged(
+        self, pipe: PipelineShape, current: list[int], proposed: list[int], info: dict[str, Any]
+    ) -> list[list[int]] | None:
+        """The splits a move goes through, each within memory on the way (``None``: refused, said in ``info``)."""
+        check, _ = self._memory(pipe)
+        if check is None:
+            return [proposed]
+        steps = check.staged(current, proposed)
+        if steps is None:
+            peaks = check.model(len(current)).migration_peaks(current, proposed)
+            info["memory"] = (
+                f"move refused: even one layer at a time it would hold up to {max(peaks) / 2**30:.2f} GiB on a rank "
+                f"(balancer.memory_capacity={self.settings.memory_capacity})"
+            )
+        return steps
 
     def _repack(self, pipe: PipelineShape) -> Decision | None:
         assert self.tracker is not None
@@ -437,11 +466,27 @@ class BalancePolicy:
 
     def _capacities(self, pipe: PipelineShape) -> list[float] | None:
         """The memory capacity as a list (one entry, or one per stage), ``None`` without one."""
-        capacity = self._memory(pipe)[1]
+        capacity = self.settings.memory_capacity
+        if capacity == "auto":
+            return None
         return None if capacity is None else [capacity] if isinstance(capacity, (int, float)) else list(capacity)
 
-    def _memory(self, pipe: PipelineShape) -> tuple[list[float] | None, Any]:
-        if self.settings.memory_capacity is None:
+    def _memory(self, pipe: PipelineShape) -> tuple[MemoryCheck | None, None]:
+        """What plans must fit: every rank's predicted peak (:class:`~dynmo_lightning.balance.memory.MemoryCheck`)."""
+        if self.settings.memory_capacity in (None, "auto"):  # "auto" is resolved by the runtime balancer
+            return None, None
+        assert self.tracker is not None
+        key = (pipe.schedule, pipe.n_microbatches, pipe.stages_per_rank, self.tracker.samples)
+        if self._check is None or self._check[0] != key:
+            layers = self.tracker.layer_memory()
+            check = MemoryCheck(layers, pipe.schedule, pipe.n_microbatches, pipe.stages_per_rank,
+                                self.settings.memory_capacity)  # fmt: skip
+            self._check = (key, check)
+        return self._check[1], None
+
+    def _additive(self, pipe: PipelineShape) -> tuple[list[float] | None, Any]:
+        """The per-layer sum the diffusion protocol checks (each stage knows only its own layers)."""
+        if self.settings.memory_capacity in (None, "auto"):
             return None, None
         assert self.tracker is not None
         return self.tracker.memory(pipe.inflight), self.settings.memory_capacity
@@ -469,3 +514,16 @@ class BalancePolicy:
             self._rng.setstate((version, tuple(internal), gauss))
         if n_layers is not None and state.get("tracker") is not None:
             self.start(n_layers).load_state_dict(state["tracker"])
+
+
+def _no_split_fits(check: MemoryCheck, pipe: PipelineShape, capacity: Any) -> str:
+    """Why no split of the pipeline fits its memory capacity: the predicted peaks of the most even split."""
+    n = pipe.n_stages
+    split = [len(check.layers) // n + (s < len(check.layers) % n) for s in range(n)]
+    peaks = ", ".join(f"{p / 2**30:.2f}" for p in check.peaks(split))
+    return (
+        f"balancer.memory_capacity={capacity}: no split of the {len(check.layers)} layers over {n} stages fits; "
+        f"under the {pipe.schedule} schedule with {pipe.n_microbatches} micro-batches the uniform split's ranks "
+        f"peak at [{peaks}] GiB (weights, gradients, optimizer state, in-flight activations, receive buffers). "
+        "Raise the capacity, use more stages or activation checkpointing, or lower the micro-batch size"
+    )

@@ -47,8 +47,19 @@ class BalanceSettings:
     """Weight of a new measurement in the moving average of layer costs, in (0, 1]."""
     window: int = 5
     """Measurements per layer whose median the moving average folds in (an outlier step does not move it)."""
-    memory_capacity: float | list[float] | None = None
-    """Bytes a stage may hold (one number, or one per stage); ``None`` ignores memory."""
+    memory_capacity: float | list[float] | str | None = None
+    """Bytes a process may hold (one number, or one per stage; a process holding several stages gets the smallest
+    of theirs); ``"auto"``: the GPU's memory less a margin (``memory_margin``), no limit on CPU; ``None`` ignores
+    memory. Plans, migrations, repacks and grows are checked against every rank's predicted peak under the
+    schedule (``balance/memory.py``)."""
+    memory_margin: float = 0.1
+    """The part of a GPU's memory ``memory_capacity="auto"`` leaves free (the allocator's cache, fragmentation,
+    what the model does not account for)."""
+    balance_memory: bool = False
+    """Also even out the ranks' predicted peak memory: among splits within ``balance_memory_cost`` of the fastest,
+    the one whose largest over smallest peak is the smallest found (needs ``memory_capacity``)."""
+    balance_memory_cost: float = 0.03
+    """The step time ``balance_memory`` may give up, relative (0.03: 3 %)."""
     p2p_seconds: float = 0.0
     """Time of one activation transfer between neighbouring stages, for the step-time model."""
     bandwidth: float = DEFAULT_BANDWIDTH
@@ -88,6 +99,13 @@ class BalanceSettings:
             (0.0 < self.smoothing <= 1.0, "smoothing", "must be in (0, 1]"),
             (self.window >= 1, "window", "must be >= 1"),
             (self.p2p_seconds >= 0, "p2p_seconds", "must be >= 0 seconds"),
+            (
+                not isinstance(self.memory_capacity, str) or self.memory_capacity == "auto",
+                "memory_capacity",
+                "must be bytes (a number or one per stage), 'auto' or null",
+            ),
+            (0.0 <= self.memory_margin < 1.0, "memory_margin", "must be in [0, 1)"),
+            (self.balance_memory_cost >= 0, "balance_memory_cost", "must be >= 0"),
             (self.bandwidth > 0, "bandwidth", "must be > 0 bytes per second"),
             (self.migration_overhead >= 0, "migration_overhead", "must be >= 0 seconds"),
             (self.repack_tolerance >= 0, "repack_tolerance", "must be >= 0"),

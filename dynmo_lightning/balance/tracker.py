@@ -7,6 +7,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from dynmo_lightning.balance.memory import LayerBytes
+
 
 class CostTracker:
     """Robust moving averages of every layer's measured costs (the same on every process).
@@ -24,8 +26,12 @@ class CostTracker:
         window: measurements per layer the median is taken over (1: no median).
     """
 
-    #: ``bwd_weight``: the weight part of ``bwd`` (zero-bubble ``W`` tasks; 0 where the schedule runs it whole).
-    FIELDS = ("fwd", "bwd", "bwd_weight", "activation_bytes", "param_bytes", "grad_bytes", "optim_bytes")
+    #: ``bwd_weight``: the weight part of ``bwd`` (zero-bubble ``W`` tasks; 0 where the schedule runs it whole); the
+    #: bytes are what :class:`~dynmo_lightning.balance.memory.LayerBytes` describes (:meth:`layer_memory`).
+    FIELDS = (
+        "fwd", "bwd", "bwd_weight", "activation_bytes", "param_bytes", "grad_bytes", "optim_bytes",
+        "recompute_bytes", "input_bytes", "weight_copies_bytes",
+    )  # fmt: skip
 
     def __init__(self, n_layers: int, smoothing: float = 0.5, window: int = 5) -> None:
         if not 0.0 < smoothing <= 1.0:
@@ -78,7 +84,11 @@ class CostTracker:
         return [f + b for f, b in zip(self.values["fwd"], self.values["bwd"], strict=True)]
 
     def memory(self, inflight_microbatches: int) -> list[float]:
-        """Bytes a layer needs on its stage with ``inflight_microbatches`` micro-batches' activations alive."""
+        """Bytes a layer needs on its stage with ``inflight_microbatches`` micro-batches' activations alive.
+
+        The per-layer sum of the diffusion protocol, where every stage knows only its own layers; the central
+        planner prices whole stages under the schedule (:meth:`layer_memory`).
+        """
         v = self.values
         return [
             v["param_bytes"][i]
@@ -87,6 +97,15 @@ class CostTracker:
             + inflight_microbatches * v["activation_bytes"][i]
             for i in range(self.n_layers)
         ]
+
+    def layer_memory(self) -> list[LayerBytes]:
+        """Every layer's smoothed bytes as the memory model takes them."""
+        v = self.values
+        return [
+            LayerBytes(v["param_bytes"][i], v["grad_bytes"][i], v["optim_bytes"][i], v["activation_bytes"][i],
+                       v["recompute_bytes"][i], v["input_bytes"][i], copies=v["weight_copies_bytes"][i])
+            for i in range(self.n_layers)
+        ]  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state."""
@@ -100,7 +119,8 @@ class CostTracker:
             raise ValueError(
                 f"saved costs describe {len(state['values']['fwd'])} layers, the model has {self.n_layers}"
             )
-        self.values = {k: list(v) for k, v in state["values"].items()}
+        # a field an older checkpoint lacks starts at 0, as before its first measurement
+        self.values = {f: list(state["values"].get(f, [0.0] * self.n_layers)) for f in self.FIELDS}
         self.samples = int(state["samples"])
         self._restarted = {int(i) for i in state.get("restarted", [])}
         self._recent = self._empty_recent()

@@ -30,6 +30,7 @@ from dynmo_lightning.balance.policy import GROW, MIGRATE, REPACK, BalancePolicy,
 from dynmo_lightning.balance.settings import METHODS, BalanceSettings
 from dynmo_lightning.pipeline.groups import ON_RELEASE
 from dynmo_lightning.pipeline.release import RELEASE_TO, ReleaseHandler, make_release_handler
+from dynmo_lightning.profiling import device_memory
 from dynmo_lightning.protocol import JobShape, PipelineControl, pipeline_control
 from dynmo_lightning.settings import build, configured_by, from_settings
 
@@ -117,6 +118,10 @@ class DynMoBalancer(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._bound = control = self._strategy(trainer)
+        if self.settings.memory_capacity == "auto":
+            total = device_memory(trainer.strategy.root_device)  # None on CPU: no limit
+            capacity = None if total is None else total * (1.0 - self.settings.memory_margin)
+            self.policy.settings = dataclasses.replace(self.policy.settings, memory_capacity=capacity)
         world = control.pp_size * control.dp_size
         self.pipeline_check_job(JobShape(world, control.pp_size, control.stages_per_rank, None, control.data_parallel))
 
@@ -143,7 +148,7 @@ class DynMoBalancer(Callback):
                 "(layers still move between stages), or strategy.data_parallel='ddp'"
             )
         capacity = self.settings.memory_capacity
-        if capacity is None:
+        if capacity is None or capacity == "auto":  # "auto": the device's memory, known on the workers
             return
         caps = list(capacity) if isinstance(capacity, (list, tuple)) else [float(capacity)] * job.n_stages
         if len(caps) != job.n_stages:
@@ -247,14 +252,18 @@ class DynMoBalancer(Callback):
     ) -> None:
         migrate_s, moved = 0.0, 0
         if decision.action == MIGRATE:
-            stats = strategy.repartition(decision.proposed)
-            migrate_s, moved = stats.seconds, stats.bytes_sent + stats.bytes_received
-            self.policy.record_migration(moved, stats.transfer_seconds)  # without first-contact link set-up
+            transfer_s = 0.0
+            for split in (*decision.steps, decision.proposed):  # in parts where at once would not fit in memory
+                stats = strategy.repartition(split)
+                migrate_s, moved = migrate_s + stats.seconds, moved + stats.bytes_sent + stats.bytes_received
+                transfer_s += stats.transfer_seconds
+            self.policy.record_migration(moved, transfer_s)  # without first-contact link set-up
         record = {
             "step": trainer.global_step,
             "current": decision.current,
             "proposed": decision.proposed,
             "migrated": decision.action == MIGRATE,
+            "steps": len(decision.steps) + 1 if decision.action == MIGRATE else 0,
             "predicted_saving_s": decision.saving_s,
             "predicted_migration_s": decision.migration_s,
             "current_step_s": decision.current_step_s,

@@ -17,6 +17,7 @@
 * ``safe_load`` - reading checkpoint files without running code from them.
 * ``settings`` - :class:`StrategySettings`: the strategy's settings, one name and one default each (Hydra's too).
 * ``sharded`` - sharded checkpoints: each stage writes its layers (``torch.distributed.checkpoint``), any width reads.
+* ``sharding`` - data parallelism inside a stage: DDP, or FSDP2 / replicate units; sharded layers' migration.
 * ``split`` - the first partition; dropping other stages' layers; materialising this stage's from per-layer seeds.
 * ``stages`` - :class:`~dynmo_lightning.pipeline.stages.LocalStages`: split model, ties and runtime of one process.
 * ``ties`` - parameters shared by layers on different stages, kept exact on any partition.

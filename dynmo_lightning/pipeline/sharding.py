@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
@@ -97,6 +98,12 @@ class StageSharding:
         self._mesh = mesh
         self.device = device
         self.param_dtype = param_dtype
+
+    @classmethod
+    def of(cls, mode: str, mesh: Callable[[], Any], device: torch.device, precision: Any) -> StageSharding:
+        """The sharding of ``mode`` under Lightning's ``precision`` plugin: FSDP2 computes in bf16 under bf16-mixed."""
+        bf16 = isinstance(precision, MixedPrecision) and precision.precision == "bf16-mixed"
+        return cls(mode, mesh, device, torch.bfloat16 if bf16 and mode in FSDP_MODES else None)
 
     @property
     def units(self) -> bool:
