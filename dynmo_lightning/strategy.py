@@ -25,7 +25,7 @@ from lightning.fabric.utilities import distributed as fabric_dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -276,7 +276,8 @@ class DynMoStrategy(ParallelStrategy):
                 module, self.partition, self._pipe, self._tie_layout, stages_per_rank=self.stages_per_rank,
                 schedule=self.schedule, n_microbatches=self.n_microbatches, device=self.root_device,
                 timeout=self._timeout, recompute=checkpoint_policy(self.activation_checkpointing),
-                sharding=self._sharding(),
+                sharding=StageSharding.of(self.data_parallel, lambda: self._mesh.replica_mesh, self.root_device,
+                                          self.precision_plugin.inner),
             )  # fmt: skip
             self.partitions = [{"step": 0, "layers_per_stage": self.layers_per_stage}]
         self.precision_plugin.convert_module(module)
@@ -294,13 +295,6 @@ class DynMoStrategy(ParallelStrategy):
         )
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _sharding(self) -> StageSharding:
-        """How replicas share the stages' layers (``data_parallel``); bf16-mixed computes in bf16 under FSDP2."""
-        inner = self.precision_plugin.inner
-        bf16 = isinstance(inner, MixedPrecision) and inner.precision == "bf16-mixed"
-        dtype = torch.bfloat16 if bf16 and self.data_parallel in FSDP_MODES else None
-        return StageSharding(self.data_parallel, lambda: self._mesh.replica_mesh, self.root_device, dtype)
 
     @override
     def model_to_device(self) -> None:
@@ -419,10 +413,8 @@ class DynMoStrategy(ParallelStrategy):
 
     def shard_sum(self, values: Tensor) -> Tensor:
         """``values`` summed over the replicas under ``data_parallel="fsdp"`` (each holds a shard of the layers)."""
-        group = self._shard_group()
-        if group is not None:
-            values = values.clone()
-            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+        if (group := self._shard_group()) is not None:
+            dist.all_reduce(values := values.clone(), op=dist.ReduceOp.SUM, group=group)
         return values
 
     def _shard_group(self) -> dist.ProcessGroup | None:
