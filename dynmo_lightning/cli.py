@@ -115,7 +115,7 @@ def run(cfg: DictConfig) -> float | None:
     trainer = build_trainer(cfg, build_callbacks(cfg))
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     # The end-of-training state, whatever the checkpoint schedule (every process takes part in writing it).
-    trainer.save_checkpoint(f"{cfg.run_dir}/checkpoints/final.ckpt")
+    trainer.save_checkpoint(f"{cfg.run_dir}/checkpoints/final.ckpt", weights_only=False)  # the whole state
     summary = next(c for c in trainer.callbacks if isinstance(c, RunSummary))
     return summary.losses[-1] if summary.losses else None
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import time
 import weakref
 from collections import defaultdict
@@ -327,6 +328,18 @@ class LayerProfiler:
                 out[key] += max(0.0, self._clock.elapsed(previous, stamp))
                 previous = stamp
         return out
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Return the free blocks CUDA's caching allocator keeps for ``device`` to the device (nothing elsewhere).
+
+    Called once layers are dropped (the ones a migration sent away, a released process's); a collection first frees
+    what only a reference cycle still held.
+    """
+    if device.type == "cuda":
+        gc.collect()
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
 
 
 def device_memory(device: torch.device) -> int | None:

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import Self, override
 
-from dynmo_lightning import balance
+from dynmo_lightning import balance, callbacks
 from dynmo_lightning.balance.diffusion import DiffusionStage
 from dynmo_lightning.pipeline import checkpoint as ckpt
 from dynmo_lightning.pipeline import groups, launcher, release, sharded
@@ -266,6 +266,7 @@ class DynMoStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         launcher.check_trainer(trainer, module, self.precision_plugin.inner)
+        callbacks.use_pipeline_summaries(trainer.callbacks)  # Lightning's would describe this stage as the model
         # Lightning would give every training loader a shuffling sampler: `process_dataloader` keeps the user's order.
         connector = trainer._accelerator_connector
         if self._shard_data is None:
@@ -278,6 +279,7 @@ class DynMoStrategy(ParallelStrategy):
                 timeout=self._timeout, recompute=checkpoint_policy(self.activation_checkpointing),
                 sharding=StageSharding.of(self.data_parallel, lambda: self._mesh.replica_mesh, self.root_device,
                                           self.precision_plugin.inner),
+                compile_options=self.settings.compile,
             )  # fmt: skip
             self.partitions = [{"step": 0, "layers_per_stage": self.layers_per_stage}]
         self.precision_plugin.convert_module(module)

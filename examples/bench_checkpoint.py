@@ -79,7 +79,7 @@ def main() -> None:
             strategy.checkpoint_format = fmt
             path = os.path.join(root, f"{fmt}-{repeat}.ckpt")
             dist.barrier()
-            results[fmt].append(measured(lambda path=path: trainer.save_checkpoint(path)))
+            results[fmt].append(measured(lambda path=path: trainer.save_checkpoint(path, weights_only=False)))
     for fmt in ("sharded", "single"):
         path = os.path.join(root, f"{fmt}-0.ckpt")
         dist.barrier()

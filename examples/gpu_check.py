@@ -5,12 +5,16 @@
 
 It needs torch (>= 2.9), lightning, torchmetrics and, for its Hugging Face section, transformers; not Hydra. Every
 section is independent: its result, or its error (type, message, the end of the traceback), goes into ``--out``,
-which is rewritten after every section, so a run cut short keeps what finished. ``docs/gpu.md`` lists what each
-section checks and the value to expect:
+which is rewritten after every section, so a run cut short keeps what finished. Sections run in this process until
+one raises on a GPU (a device-side assert poisons the CUDA context of the process); every later section then runs in
+a fresh process of its own (``--isolate``: all of them), so a failure stays its own. The training runs clip
+gradients (``gradient_clip_val``: the clipping by the norm over all stages, one collective), except the counted bf16
+runs, whose host reads are the documented ones. ``docs/gpu.md`` lists what each section checks and the value to
+expect:
 
 - ``refuses_16_mixed``: ``16-mixed`` is refused before training starts, and the message names ``bf16-mixed``;
 - ``device_vs_cpu``: fp32 training on the device against the same training on CPU, from the same weights (layers are
-  initialised on the host and copied to their device);
+  initialised on the host and copied to their device), both clipping gradients (the clipping changes the losses);
 - ``bf16_vs_fp32``: ``bf16-mixed`` against fp32 on the device;
 - ``dynamics.<name>``: each dynamic (``dynmo_lightning.bench.timeline.PRESETS``) trained in ``bf16-mixed``, with the
   host reads per step (``HostSyncCounter``), the synchronisations CUDA's sync debug mode reports with their call sites,
@@ -20,6 +24,8 @@ section checks and the value to expect:
   more optimizer step on both copies is bit-identical;
 - ``hf_pruning``: structured pruning of a tiny Hugging Face Llama on the device;
 - ``checkpoint``: a sharded checkpoint saved and resumed on the device; the resumed losses equal the uninterrupted run;
+- ``activation_checkpointing``: P = 1 with every layer recomputed in backward (``activation_checkpointing="all"``):
+  the losses of the same run without;
 - ``layer_costs``: the layer cost table of the simulator (``dynmo_lightning.bench.layer_costs``) at LLM size in bf16;
 - ``fsdp``: ``data_parallel="fsdp"`` at P = 1 on one device (a mesh of one): DTensor parameters kept in fp32 with
   FSDP2's bf16 mixed precision, the loss curve within bf16's tolerance of fp32's;
@@ -33,12 +39,14 @@ section checks and the value to expect:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,13 +70,17 @@ from dynmo_lightning.bench import layer_costs
 from dynmo_lightning.bench.timeline import PRESETS, Losses
 from dynmo_lightning.callbacks import GradualPruning, HostSyncCounter, syncs
 from dynmo_lightning.data import VOCAB_SIZE, StdlibCharDataModule
-from dynmo_lightning.launch import fresh_world, run_ranks
+from dynmo_lightning.launch import clean_env, fresh_world, run_ranks
 from dynmo_lightning.models import GPT
 from dynmo_lightning.models.blocks import Block
 from dynmo_lightning.pipeline.migration import add_to_optimizers, pack_layers, unpack_layers
 from dynmo_lightning.profiling import DeviceClock
 
 MICROBATCHES = 2
+#: ``gradient_clip_val`` of the training runs (not the counted ones): small enough that the clipping acts.
+CLIP = 0.5
+#: Seconds a section run in a process of its own may take (the largest, on a GPU, take about a minute).
+ISOLATED_TIMEOUT = 900
 #: The check's GPT (losses, dynamics, checkpoints) and the larger one whose step the profilers compare, by --quick.
 GPT_SIZES = {True: {"n_layer": 4, "n_embd": 64, "n_head": 4, "block_size": 64},
              False: {"n_layer": 8, "n_embd": 256, "n_head": 4, "block_size": 256}}  # fmt: skip
@@ -132,6 +144,11 @@ class Device:
         """``"tf32"`` when fp32 matmuls may use TF32 on this device, else ``"highest"`` (what tolerances depend on)."""
         relaxed = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32
         return "tf32" if self.cuda and relaxed else "highest"
+
+    def synchronize(self) -> None:
+        """Wait for the device: an asynchronous CUDA error then surfaces in the section that caused it."""
+        if self.cuda:
+            torch.cuda.synchronize()
 
     def reset(self) -> None:
         """Undo what a section may leave on, so that the next one (its timings included) starts from the defaults.
@@ -207,12 +224,13 @@ def fit(
     return t
 
 
-def fp32_losses(check: Check, device: Device) -> list[float]:
-    """Per-step losses of the check's GPT in fp32 on ``device`` (trained once per check, then shared)."""
-    key = ("fp32", device.name)
+def fp32_losses(check: Check, device: Device, clip: float | None = CLIP) -> list[float]:
+    """Per-step losses of the check's GPT in fp32 on ``device``, clipping at ``clip`` (trained once, then shared)."""
+    key = ("fp32", device.name, clip)
     if key not in check.runs:
         model, losses = gpt(GPT_SIZES[check.quick]), Losses()
-        fit(check, model, corpus(model.hparams.block_size), device=device, callbacks=[losses])
+        fit(check, model, corpus(model.hparams.block_size), device=device, callbacks=[losses],
+            gradient_clip_val=clip)  # fmt: skip
         check.runs[key] = losses.values
     return check.runs[key]
 
@@ -252,21 +270,24 @@ def device_vs_cpu(check: Check) -> dict[str, Any]:
     matmul = check.device.matmul_precision()
     first, tol_first = rel_diff(on_device[:1], reference[:1]), TOLERANCES["first_step"][matmul]
     worst, tol_all = rel_diff(on_device, reference), TOLERANCES["all_steps"][matmul]
-    return {"ok": first <= tol_first and worst <= tol_all, "first_step_rel_diff": first,
+    clipped = rel_diff(on_device, fp32_losses(check, check.device, clip=None)) > 0  # the clipping did act
+    return {"ok": first <= tol_first and worst <= tol_all and clipped, "first_step_rel_diff": first,
             "first_step_tolerance": tol_first, "max_rel_diff": worst, "tolerance": tol_all, "matmul": matmul,
-            "losses": on_device, "cpu_losses": reference}  # fmt: skip
+            "gradient_clip_val": CLIP, "clipping_changed_losses": clipped, "losses": on_device,
+            "cpu_losses": reference}  # fmt: skip
 
 
 def _cpu_again(check: Check) -> list[float]:
     """On CPU the reference is a second, separate CPU run (it must give the same numbers)."""
     model, losses = gpt(GPT_SIZES[check.quick]), Losses()
-    fit(check, model, corpus(model.hparams.block_size), device=Device("cpu"), callbacks=[losses])
+    fit(check, model, corpus(model.hparams.block_size), device=Device("cpu"), callbacks=[losses],
+        gradient_clip_val=CLIP)  # fmt: skip
     return losses.values
 
 
 def bf16_vs_fp32(check: Check) -> dict[str, Any]:
-    """``bf16-mixed`` against fp32 on the device: the loss curves agree to bf16's precision."""
-    bf16, fp32 = counted_run(check, "none").losses, fp32_losses(check, check.device)
+    """``bf16-mixed`` against fp32 on the device: the loss curves agree to bf16's precision (neither clips)."""
+    bf16, fp32 = counted_run(check, "none").losses, fp32_losses(check, check.device, clip=None)
     worst = rel_diff(bf16, fp32)
     return {"ok": finite(bf16) and worst <= TOLERANCES["bf16"], "max_rel_diff": worst,
             "tolerance": TOLERANCES["bf16"], "bf16_losses": bf16, "fp32_losses": fp32}  # fmt: skip
@@ -553,6 +574,16 @@ def _same_math(device: Device) -> float:
     return TOLERANCES["same_math"]["cuda" if device.cuda else "cpu"]
 
 
+def activation_checkpointing(check: Check) -> dict[str, Any]:
+    """P = 1, every layer recomputed in backward: the fp32 losses of the same run without recomputation."""
+    model, losses = gpt(GPT_SIZES[check.quick]), Losses()
+    fit(check, model, corpus(model.hparams.block_size), callbacks=[losses], gradient_clip_val=CLIP,
+        strategy={"activation_checkpointing": "all"})  # fmt: skip
+    worst, tol = rel_diff(losses.values, fp32_losses(check, check.device)), _same_math(check.device)
+    return {"ok": finite(losses.values) and worst <= tol, "activation_checkpointing": "all",
+            "max_rel_diff_vs_without": worst, "tolerance": tol, "losses": losses.values}  # fmt: skip
+
+
 def layer_cost_table(check: Check) -> dict[str, Any]:
     """The simulator's layer cost table measured on the device in bf16 (autocast, as bf16-mixed training runs)."""
     shape = LAYER_SHAPES[check.quick]
@@ -583,7 +614,7 @@ def fsdp(check: Check) -> dict[str, Any]:
     """``data_parallel="fsdp"`` on one device in ``bf16-mixed``: DTensor parameters, fp32 shards, bf16 compute."""
     model, losses = gpt(GPT_SIZES[check.quick]), Losses()
     trainer = fit(check, model, corpus(model.hparams.block_size), precision="bf16-mixed", callbacks=[losses],
-                  deterministic=False, strategy={"data_parallel": "fsdp"})  # fmt: skip
+                  deterministic=False, strategy={"data_parallel": "fsdp"}, gradient_clip_val=CLIP)  # fmt: skip
     params = list(trainer.lightning_module.parameters())
     sharded = all(isinstance(p, DTensor) for p in params)
     fp32 = all(p.dtype == torch.float32 for p in params)
@@ -634,11 +665,12 @@ def worker(out: Path, device: str, steps: int, quick: bool, kind: str = "pipelin
     model, losses = gpt(GPT_SIZES[quick]), Losses()
     if kind == "fsdp":
         trainer = fit(check, model, corpus(model.hparams.block_size, batch_size=4), devices=2, callbacks=[losses],
-                      strategy={"data_parallel": "fsdp", "data_parallel_size": 2})  # fmt: skip
+                      strategy={"data_parallel": "fsdp", "data_parallel_size": 2}, gradient_clip_val=CLIP)  # fmt: skip
         if trainer.global_rank == 0:
             out.write_text(json.dumps({"losses": losses.values, "replicas": trainer.strategy.dp_size}))
         return
-    trainer = fit(check, model, corpus(model.hparams.block_size), devices=2, callbacks=[losses, Resize(steps)])
+    trainer = fit(check, model, corpus(model.hparams.block_size), devices=2, callbacks=[losses, Resize(steps)],
+                  gradient_clip_val=CLIP)  # fmt: skip
     if trainer.global_rank == 0:  # the released rank left during training
         result = {"losses": losses.values, "partitions": trainer.strategy.partitions,
                   "world_size_end": trainer.world_size}  # fmt: skip
@@ -654,7 +686,8 @@ def sections(dynamics: list[str], pipeline: bool) -> dict[str, Callable[[Check],
         "refuses_16_mixed": refuses_16_mixed, "device_vs_cpu": device_vs_cpu, "bf16_vs_fp32": bf16_vs_fp32,
         **{f"dynamics.{d}": functools.partial(dynamic_syncs, dynamic=d) for d in dynamics},
         "profile": profile, "migration": migration, "hf_pruning": hf_pruning, "checkpoint": checkpoint,
-        "layer_costs": layer_cost_table, "fsdp": fsdp, "fsdp_two_gpus": fsdp_two_gpus,
+        "activation_checkpointing": activation_checkpointing, "layer_costs": layer_cost_table, "fsdp": fsdp,
+        "fsdp_two_gpus": fsdp_two_gpus,
     }  # fmt: skip
     if pipeline:
         chosen["pipeline_p2"] = pipeline_p2
@@ -666,12 +699,31 @@ def run_section(check: Check, run: Callable[[Check], dict[str, Any]]) -> dict[st
     t0 = time.perf_counter()
     try:
         result = run(check)
+        check.device.synchronize()
     except Exception as e:
         tail = "".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:]
         result = {"ok": False, "error": {"type": type(e).__name__, "message": str(e)[:2000], "traceback": tail}}
     finally:
-        check.device.reset()
+        with contextlib.suppress(Exception):  # a broken CUDA context refuses even this; the error above says why
+            check.device.reset()
     return {**result, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def run_isolated(name: str, options: list[str]) -> dict[str, Any]:
+    """Run section ``name`` in a fresh process (a CUDA context of its own) with ``options``: its summary's entry."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "section.json"
+        cmd = [sys.executable, __file__, *options, "--sections", name, "--out", str(out)]
+        try:
+            proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=ISOLATED_TIMEOUT)
+            ended, log = f"exit status {proc.returncode}", proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            ended, log = f"killed after {ISOLATED_TIMEOUT} s", f"{e.stdout or ''}{e.stderr or ''}"
+        if out.exists():
+            return {**json.loads(out.read_text())["sections"][name], "isolated": True}
+    message = f"its process ended ({ended}) before the section's verdict"
+    return {"ok": False, "isolated": True, "error": {"type": "ChildProcessError", "message": message,
+                                                     "traceback": str(log)[-3000:]}}  # fmt: skip
 
 
 def write(path: Path, summary: dict[str, Any]) -> None:
@@ -681,12 +733,24 @@ def write(path: Path, summary: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def check_all(check: Check, chosen: dict[str, Callable[[Check], dict[str, Any]]], out: Path) -> dict[str, Any]:
-    """Run ``chosen`` on ``check``, rewriting ``out`` after every section; returns the summary."""
+def check_all(
+    check: Check,
+    chosen: dict[str, Callable[[Check], dict[str, Any]]],
+    out: Path,
+    options: list[str],
+    isolate: bool = False,
+) -> dict[str, Any]:
+    """Run ``chosen`` on ``check``, rewriting ``out`` after every section; returns the summary.
+
+    Sections run in this process until one raises on a GPU (its CUDA context may be broken: a device-side assert
+    fails every later kernel); from then on, and with ``isolate`` from the start, each runs in a process of its own
+    started with the command-line ``options`` of this check.
+    """
     t0 = time.perf_counter()
     summary: dict[str, Any] = {**check.device.describe(), "steps": check.steps, "quick": check.quick, "sections": {}}
     for name, run in chosen.items():
-        summary["sections"][name] = entry = run_section(check, run)
+        summary["sections"][name] = entry = run_isolated(name, options) if isolate else run_section(check, run)
+        isolate = isolate or (check.device.cuda and "error" in entry)
         summary["ok"] = all(s["ok"] for s in summary["sections"].values())
         summary["seconds"] = round(time.perf_counter() - t0, 1)
         write(out, summary)
@@ -704,6 +768,7 @@ def main() -> None:
     parser.add_argument("--sections", help="comma-separated sections to run (default: all)")
     parser.add_argument("--pipeline", action="store_true", help="also P = 2 (default: with two or more GPUs)")
     parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument("--isolate", action="store_true", help="run every section in a process of its own")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-kind", default="pipeline", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -721,7 +786,9 @@ def main() -> None:
         if unknown:
             parser.error(f"--sections: unknown {sorted(unknown)}; choose from {list(chosen)}")
         chosen = {k: v for k, v in chosen.items() if k in args.sections.split(",")}
-    summary = check_all(check, chosen, Path(args.out))
+    options = ["--device", args.device, "--steps", str(args.steps), "--dynamics", args.dynamics,
+               *(["--quick"] if args.quick else []), *(["--pipeline"] if pipeline else [])]  # fmt: skip
+    summary = check_all(check, chosen, Path(args.out), options, isolate=args.isolate)
     print(json.dumps({k: v for k, v in summary.items() if k != "sections"}, indent=1))
     sys.exit(0 if summary["ok"] else 1)
 

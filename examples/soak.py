@@ -96,7 +96,7 @@ def worker(out: Path, steps: int, ckpt: str | None, mark_at: int | None, epoch: 
     )
     model = GPT(n_layer=6, n_embd=64, n_head=4, block_size=64)
     trainer.fit(model, datamodule=StdlibCharDataModule(block_size=64, batch_size=16), ckpt_path=ckpt)
-    trainer.save_checkpoint(out / "final.ckpt")
+    trainer.save_checkpoint(out / "final.ckpt", weights_only=False)
 
 
 def main() -> None:

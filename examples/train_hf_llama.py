@@ -67,7 +67,7 @@ def main() -> None:
         print("layers per stage over training:", trainer.strategy.partitions)
     if args.export:
         # Every stage writes its own layers; then one process reads them all back (what `dynmo-export --hf` does).
-        trainer.save_checkpoint(f"{args.export}.ckpt")
+        trainer.save_checkpoint(f"{args.export}.ckpt", weights_only=False)
         rank0 = trainer.is_global_zero
         if dist.is_initialized():
             dist.destroy_process_group()  # the export reads the shards on its own, outside the training world

@@ -44,6 +44,10 @@ SMALLEST: dict[str, tuple[list[str], list[str]]] = {
     "soak.py": ([sys.executable], ["--steps", "20", "--epoch", "5", "--dir", "runs"]),
     "bench_activation_checkpointing.py": ([sys.executable], ["--layers", "4", "--embd", "32", "--heads", "2", "--seq",
                                           "32", "--batch", "4", "--microbatches", "2"]),
+    "bench_data_parallel.py": ([*TORCHRUN, "--nproc_per_node=4"], ["--steps", "3", "--measure-from", "1", "--repeats",
+                               "1", "--layers", "4", "--hidden", "32", "--block", "16", "--batch", "4"]),
+    "bench_compile.py": ([*TORCHRUN, "--nproc_per_node=2"], ["--steps", "3", "--measure-from", "1", "--repeats", "1",
+                         "--layers", "4", "--hidden", "32", "--block", "16", "--batch", "4"]),
     "count_syncs.py": ([sys.executable], ["--layouts", "pp2", "--dynamics", "none"]),
 }  # fmt: skip
 

@@ -1,5 +1,6 @@
 """The prepared GPU check runs end to end on CPU (the same code path it takes on a GPU) where Hydra is not installed,
-as on the GPU machine; its per-dynamic path runs twice in one process; a synchronisation's site names our line."""
+as on the GPU machine; its per-dynamic path runs twice in one process; a synchronisation's site names our line;
+after a section raises on a GPU, every later one runs in a process of its own."""
 
 from __future__ import annotations
 
@@ -85,6 +86,10 @@ def test_gpu_check_on_cpu_without_hydra(tmp_path):
     assert summary["ok"] and summary["device"] == "cpu" and "dynamics.early_exit" in s
     assert s["refuses_16_mixed"]["refused"] and "bf16-mixed" in s["refuses_16_mixed"]["message"]
     assert s["device_vs_cpu"]["max_rel_diff"] == 0.0  # CPU against CPU: the same numbers
+    assert s["device_vs_cpu"]["clipping_changed_losses"]  # gradient_clip_val set: the one-collective clipping ran
+    ac = s["activation_checkpointing"]
+    assert ac["ok"] and ac["max_rel_diff_vs_without"] == 0.0 and len(ac["losses"]) == 4  # recomputed, same math
+    assert not any(entry.get("isolated") for entry in s.values())  # nothing failed: all in this process
     assert 0 < s["bf16_vs_fp32"]["max_rel_diff"] <= s["bf16_vs_fp32"]["tolerance"]  # bf16 did run
     for name in ("dynamics.none", "dynamics.early_exit"):
         entry = s[name]
@@ -147,7 +152,7 @@ def test_a_synchronisation_is_reported_at_the_line_that_led_to_it(monkeypatch):
         read_once([torch.tensor(1.0), torch.tensor(2.0)])
         counter.on_train_end(None, None)
         sites.on_train_end(None, None)
-    assert counter.counts == [2]  # one host read and the synchronisation it caused, as the counter counts them
+    assert counter.counts == [1]  # one host read: the synchronisation CUDA reports for it is that read
     ((site, n),) = sites.steps[0].items()
     # issued at read_once's line (the counter's wrapper skipped), which is also our innermost frame
     assert n == 1 and re.fullmatch(
@@ -175,3 +180,43 @@ def test_on_a_gpu_the_profilers_device_time_is_its_kernels_time(monkeypatch):
     assert torch.profiler.ProfilerActivity.CUDA in gpu.profiler_activities()
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")  # TF32 allowed: wider tolerances
     assert (gpu.matmul_precision(), host.matmul_precision()) == ("tf32", "highest")
+
+
+def test_after_a_gpu_section_raises_every_later_section_runs_in_a_process_of_its_own(monkeypatch, tmp_path):
+    gpu_check = _gpu_check(monkeypatch)
+    monkeypatch.setattr(gpu_check.Device, "cuda", property(lambda self: True))  # no GPU here: the device says so
+    monkeypatch.setattr(gpu_check.Device, "describe", lambda self: {"device": "cuda"})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    isolated: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(
+        gpu_check,
+        "run_isolated",
+        lambda name, options: (isolated.append((name, options)), {"ok": True, "isolated": True})[1],
+    )
+
+    def device_side_assert(check):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    ran = []
+    chosen = {
+        "first": lambda check: (ran.append("first"), {"ok": True})[1],
+        "moe": device_side_assert,
+        "later": lambda check: (ran.append("later"), {"ok": True})[1],
+        "last": lambda check: {"ok": True},
+    }
+    check = gpu_check.Check(gpu_check.Device("cuda"), steps=3, quick=True)
+    summary = gpu_check.check_all(check, chosen, tmp_path / "out.json", ["--device", "cuda"])
+    s = summary["sections"]
+    assert ran == ["first"] and s["moe"]["error"]["type"] == "RuntimeError" and not summary["ok"]
+    assert isolated == [("later", ["--device", "cuda"]), ("last", ["--device", "cuda"])]
+    assert s["later"]["isolated"] and s["last"]["ok"] and json.loads((tmp_path / "out.json").read_text()) == summary
+
+
+@pytest.mark.timeout(180)
+def test_an_isolated_section_runs_in_a_fresh_process_and_reports_as_in_this_one(monkeypatch):
+    gpu_check = _gpu_check(monkeypatch)
+    entry = gpu_check.run_isolated("migration", ["--device", "cpu", "--quick", "--steps", "3"])
+    assert entry["isolated"] and entry["ok"] and entry["fused"]["identical"], entry
+    failed = gpu_check.run_isolated("migration", ["--device", "cpu", "--no-such-option"])
+    assert not failed["ok"] and failed["error"]["type"] == "ChildProcessError" and "--no-such-option" in str(failed)

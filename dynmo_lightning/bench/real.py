@@ -199,25 +199,33 @@ def measure_p2p(size_bytes: int, repeats: int = 20) -> dict[str, float]:
     The tensors live where the job's backend sends from (:func:`~dynmo_lightning.launch.backend_device`: the rank's
     GPU under NCCL, the CPU under gloo), and the clock is the device's: NCCL's transfers are asynchronous to the
     host, so on a GPU CUDA events recorded around them are read after a synchronisation, never the host clock alone.
+    One untimed round trip of each size comes first: NCCL creates the pair's communicator on its first send, which
+    would otherwise count as latency.
     """
     rank, device = dist.get_rank(), backend_device()
     clock = DeviceClock(device)
     results = {}
     for name, n in (("latency", 1), ("bandwidth", size_bytes // 4)):
         t = torch.zeros(n, device=device)
+        _round_trips(t, rank, 1)
         dist.barrier()
         start = clock.now()
-        for _ in range(repeats):
-            if rank == 0:
-                dist.send(t, 1)
-                dist.recv(t, 1)
-            elif rank == 1:
-                dist.recv(t, 0)
-                dist.send(t, 0)
+        _round_trips(t, rank, repeats)
         end = clock.now()
         one_way = clock.elapsed(start, end) / (2 * repeats)  # on a GPU: waits for the end event first
         results[name] = one_way if name == "latency" else n * 4 / one_way
     return {"p2p_latency_s": results["latency"], "p2p_bytes_per_s": results["bandwidth"], "p2p_bytes": size_bytes}
+
+
+def _round_trips(t: torch.Tensor, rank: int, repeats: int) -> None:
+    """Send ``t`` from rank 0 to rank 1 and back, ``repeats`` times (other ranks take no part)."""
+    for _ in range(repeats):
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif rank == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
 
 
 def worker(spec_path: str) -> None:

@@ -13,7 +13,9 @@ Sparsity follows ``s_t = s_f + (s_0 - s_f) * (1 - (t - t0) / (n * dt)) ** 3`` fr
 * ``mode="unstructured"`` zeroes individual weights of the ``nn.Linear`` layers inside the pipeline layers (the last
   layer excluded), for accuracy experiments. It gives **no speed-up on dense kernels**: the matrices keep their size.
   The mask is the weights' zero pattern: taken before every optimizer step (and applied to the gradients), re-imposed
-  after it, so it needs no state of its own and moves and checkpoints with the weights.
+  after it, so it needs no state of its own and moves and checkpoints with the weights. The global threshold is
+  found by bisection with all-reduced counts on the device (:func:`global_magnitude_threshold`): no process sees
+  another's weights.
 
 Shapes live in the layer's parameters, so a pruned layer migrates pruned and a checkpoint resumes pruned (the GPT's
 modules take their shapes from the checkpoint before its values). Decisions that span stages (global scores) are
@@ -36,7 +38,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import Self, override
 
-from dynmo_lightning.protocol import all_gather, layers_changed, local_layers
+from dynmo_lightning.protocol import JobShape, all_gather, layers_changed, local_layers, local_part, pipeline_control
 from dynmo_lightning.settings import build, configured_by, from_settings
 
 MODES = ("structured", "unstructured")
@@ -129,6 +131,28 @@ class GradualPruning(Callback):
         """The callback of one settings object (``overrides`` replace some of its fields)."""
         return from_settings(cls, PruningSettings, settings, overrides)
 
+    def pipeline_check_job(self, job: JobShape) -> None:
+        """Refuse structured pruning of sharded layers before any worker starts (see :meth:`setup`).
+
+        Raises:
+            ValueError: ``mode="structured"`` under ``data_parallel`` ``"fsdp"`` or ``"replicate"``.
+        """
+        if self.settings.mode == "structured" and job.data_parallel != "ddp":
+            # Removing units gives parameters new shapes; an FSDP2 / replicate unit manages the shapes it was made
+            # with. Unstructured pruning (masks on the local shards) works.
+            raise ValueError(
+                f"dynamics.mode='structured' pruning changes the layers' shapes, which strategy.data_parallel="
+                f"{job.data_parallel!r} units cannot follow yet: use dynamics.mode=unstructured, or "
+                "strategy.data_parallel='ddp'"
+            )
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        control = pipeline_control(trainer)
+        if control is not None:
+            self.pipeline_check_job(JobShape(control.world_size, control.pp_size, control.stages_per_rank, None,
+                                             control.data_parallel))  # fmt: skip
+
     def sparsity_at(self, step: int) -> float:
         """Target sparsity after ``step`` optimizer steps."""
         s = self.settings
@@ -215,11 +239,9 @@ class GradualPruning(Callback):
 
     def _prune_weights(self, pl_module: pl.LightningModule, target: float, optimizers: Sequence[Optimizer]) -> None:
         weights = _prunable_weights(pl_module)
+        thresholds: list[Tensor | float]
         if self.settings.scope == "global":
-            local = torch.cat([w.detach().abs().flatten().float().cpu() for w in weights]) if weights else None
-            magnitudes = torch.cat([m for m in all_gather(local, pl_module.trainer) if m is not None])
-            k = int(target * magnitudes.numel())
-            threshold = float(magnitudes.kthvalue(k).values) if k > 0 else -1.0
+            threshold = global_magnitude_threshold([local_part(w) for w in weights], target, pl_module.device)
             thresholds = [threshold] * len(weights)
         else:
             thresholds = []
@@ -227,13 +249,14 @@ class GradualPruning(Callback):
                 k = int(target * w.numel())
                 thresholds.append(float(w.detach().abs().flatten().kthvalue(k).values) if k > 0 else -1.0)
         for w, threshold in zip(weights, thresholds, strict=True):
-            mask = w.detach().abs() > threshold
+            local = local_part(w)  # a shard's mask is the shard of the mask: element-wise, no collective
+            mask = local.detach().abs() > threshold
             with torch.no_grad():
-                w.mul_(mask)
+                local.mul_(mask)
             for opt in optimizers:
                 for value in opt.state.get(w, {}).values():
                     if isinstance(value, Tensor) and value.shape == w.shape:
-                        value.mul_(mask)
+                        local_part(value).mul_(mask)
 
     # ----------------------------------------------------------------------------------------------------------------
     @override
@@ -243,6 +266,53 @@ class GradualPruning(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.sparsity = float(state_dict["sparsity"])
+
+
+def global_magnitude_threshold(parts: Sequence[Tensor], fraction: float, device: torch.device) -> Tensor:
+    """The ``k``-th smallest magnitude over every process's ``parts`` (``k``: ``fraction`` of their elements).
+
+    What ``kthvalue`` of all magnitudes gathered in one place gives (``-1`` when ``k`` is 0), found without moving
+    them: a bisection over the float32 bit patterns of the magnitudes (non-negative floats order as their bits), 31
+    rounds of counting the elements at or below the midpoint, summed over all processes by an all-reduce of one
+    number on ``device``. Nothing is read on the host. Each process passes the part of the weights it holds (a
+    shard under FSDP2, whole copies under DDP replicas: every element counts once or ``D`` times, the same fraction).
+
+    Args:
+        parts: this process's tensors (the local parts of its weights).
+        fraction: share of all elements at or below the threshold.
+        device: where the counts are reduced (the weights' device; used when this process holds no weights).
+    """
+    dist = torch.distributed
+    distributed = dist.is_available() and dist.is_initialized()
+
+    def total(x: Tensor, op: Any = None) -> Tensor:
+        if distributed:
+            dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
+        return x
+
+    def at_most(bound: Tensor) -> Tensor:
+        count = torch.zeros((), dtype=torch.int64, device=device)
+        for part in parts:  # one part's float magnitudes at a time: no copy of them all
+            count += (part.detach().abs().float() <= bound).sum()
+        return total(count)
+
+    n = total(torch.full((), sum(p.numel() for p in parts), dtype=torch.int64, device=device))
+    top = torch.zeros((), dtype=torch.int64, device=device)
+    for part in parts:
+        if part.numel():
+            top = torch.maximum(top, part.detach().abs().float().max().view(torch.int32).to(torch.int64))
+    hi = total(top, dist.ReduceOp.MAX if distributed else None).clamp(max=_INF_BITS)
+    k = (n.double() * fraction).floor().to(torch.int64)
+    lo = torch.zeros_like(hi)
+    for _ in range(31):  # the bit patterns of non-negative float32 values are below 2**31
+        mid = (lo + hi) // 2
+        enough = at_most(mid.to(torch.int32).view(torch.float32)) >= k
+        hi, lo = torch.where(enough, mid, hi), torch.where(enough, lo, mid + 1)
+    return torch.where(k > 0, hi.to(torch.int32).view(torch.float32), -1.0)
+
+
+#: The bit pattern of float32 infinity: the largest magnitude counted (NaN patterns lie above it).
+_INF_BITS = 0x7F800000
 
 
 def _top(scores: Sequence[float], k: int) -> list[int]:

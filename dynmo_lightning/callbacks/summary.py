@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from dynmo_lightning.pipeline.compiled import graphs
 from dynmo_lightning.protocol import DeviceScalars, pipeline_control
 
 
@@ -25,7 +26,9 @@ class RunSummary(Callback):
     ``replicas_in_sync`` (whether all replicas ended with bit-identical parameters and buffers), ``partitions``
     (``[{"step", "layers_per_stage"}]``, from the strategy when it splits the model), ``releases`` (every release
     of a consolidation: ranks, hosts, whole nodes freed), ``param_norm`` (float64 L2 norm
-    of all final parameters, across pipeline stages).
+    of all final parameters, across pipeline stages), ``compiled_graphs_per_step`` (graphs ``torch.compile``
+    compiled on global rank 0 during each step: the first compilations, then recompilations), ``layers_changed``
+    (the steps that began after a dynamic changed layers: where a recompilation is expected).
 
     Args:
         run_dir: directory of the run.
@@ -40,12 +43,22 @@ class RunSummary(Callback):
         self._t0: float | None = None
         self.world_size_start = 1
         self.world_sizes: list[dict[str, int]] = []
+        self.compiled: list[int] = []
+        self.changed: list[int] = []
+        self._graphs = 0
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.world_size_start = trainer.world_size
         self.world_sizes = [_world(trainer)]
         self._t0 = time.perf_counter()
+        self._graphs = graphs()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        control = pipeline_control(trainer)
+        if control is not None and control.changed_layers(trainer.global_step):
+            self.changed.append(len(self.compiled))
 
     @override
     def on_train_batch_end(
@@ -56,6 +69,8 @@ class RunSummary(Callback):
         # Data-parallel replicas each consume their own batch; pipeline stages of one replica share one.
         replicas = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)
         self.tokens += int(inputs.numel()) * int(replicas)
+        self.compiled.append(graphs() - self._graphs)
+        self._graphs += self.compiled[-1]
         now = _world(trainer)
         if self.world_sizes and {**self.world_sizes[-1], "step": now["step"]} != now:
             self.world_sizes.append(now)
@@ -102,6 +117,8 @@ class RunSummary(Callback):
             "partitions": list(control.partitions) if control is not None else [],
             "releases": list(control.releases) if control is not None else [],
             "param_norm": norm,
+            "compiled_graphs_per_step": self.compiled,
+            "layers_changed": self.changed,
         }
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:

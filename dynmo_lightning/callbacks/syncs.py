@@ -4,7 +4,8 @@ A host read (``Tensor.item``, ``tolist``, ``bool(t)``, ``int(t)``, ``float(t)``)
 value: cheap on CPU, a pipeline bubble on a GPU. The counter wraps those methods of ``torch.Tensor`` while a run is
 inside :meth:`HostSyncCounter.patched` and counts the calls of each training step, from one ``on_train_batch_start`` to
 the next (so the end-of-step hooks of callbacks and of the LightningModule count too), on every device. On CUDA it also
-counts what ``torch.cuda.set_sync_debug_mode("warn")`` reports (synchronising kernels, e.g. a boolean-mask gather).
+counts what ``torch.cuda.set_sync_debug_mode("warn")`` reports outside those methods (synchronising kernels, e.g. a
+boolean-mask gather): a read method's own synchronisation, which the debug mode reports too, counts once.
 
 Beside it, a ``TorchDispatchMode`` sees what those methods miss, at the level of aten operators: data-dependent
 reads (``aten._local_scalar_dense``, ``aten.nonzero``, ``aten.masked_select``, ``aten.equal``, indexing with a
@@ -100,6 +101,11 @@ def _call_site() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
+def _syncs(warned: list[warnings.WarningMessage]) -> int:
+    """How many of ``warned`` are CUDA's sync debug mode reporting a synchronisation."""
+    return sum("synchroniz" in str(w.message) for w in warned)
+
+
 class _DispatchCounter(TorchDispatchMode):
     """Calls ``record(kind, op, site)`` for every data-dependent or host-data operator, then runs it."""
 
@@ -132,7 +138,7 @@ class HostSyncCounter(Callback):
             inside :meth:`patched`; it slows every operator down a little).
 
     Attributes:
-        counts: reads per step, the optimizer step included.
+        counts: reads per step, the optimizer step included (on CUDA with the debug mode's other synchronisations).
         optimizer_counts: of those, the reads inside ``optimizer.step()`` but outside its closure (Adam reads each
             parameter's step count, a CPU tensor unless ``capturable`` or ``fused``: not a device synchronisation).
         dispatch_counts: per step, the data-dependent operators and host-data tensors the dispatch mode saw outside
@@ -161,6 +167,7 @@ class HostSyncCounter(Callback):
         self._in_optimizer = False
         self._caught: Any = None
         self._warned: list[warnings.WarningMessage] = []
+        self._n_method_syncs = 0  # synchronisations CUDA reported inside counted read methods
 
     @contextlib.contextmanager
     def patched(self) -> Iterator[HostSyncCounter]:
@@ -175,10 +182,13 @@ class HostSyncCounter(Callback):
                 self._n_optimizer += self._in_optimizer
                 self._record("method", f"Tensor.{name.strip('_')}", _call_site())
                 self._in_method = True
+                warned = len(self._warned)
                 try:
                     return fn(t, *args, **kwargs)
                 finally:
                     self._in_method = False
+                    # CUDA's warning about this very read is the same sync, already counted as the call.
+                    self._n_method_syncs += _syncs(self._warned[warned:])
 
             return counted
 
@@ -233,6 +243,7 @@ class HostSyncCounter(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         self._close()
         self._n, self._n_optimizer, self._n_dispatch, self._n_own, self._active = 0, 0, 0, 0, True
+        self._n_method_syncs = 0
         self._sites = collections.Counter()
         if self.cuda:
             torch.cuda.set_sync_debug_mode("warn")
@@ -265,7 +276,7 @@ class HostSyncCounter(Callback):
         self.dispatch_sites.append(dict(self._sites))
         if self.cuda and self._caught is not None:
             torch.cuda.set_sync_debug_mode("default")
-            n += sum("synchroniz" in str(w.message) for w in self._warned)
+            n += _syncs(self._warned) - self._n_method_syncs
             self._caught.__exit__(None, None, None)
             self._caught = None
         self.counts.append(n)

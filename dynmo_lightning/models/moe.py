@@ -27,7 +27,14 @@ Two ways to run the experts, the same routing:
   bf16): all assignments sorted by expert, kept ones first, and two grouped GEMMs over device-side offsets. Rows past
   the last kept one are not computed, so the cost still follows the routing, and nothing is read from the device:
   the experts' loads never reach the host. A mask of the rows that are real tokens (early exit's padded rows) is
-  applied on the device too.
+  applied on the device too. On CUDA every expert's group of rows starts at a multiple of 16 bytes of rows (8 in
+  bf16, zero rows in between), as torchtitan pads them for torch's CUDA kernel (:func:`group_alignment`).
+  The experts' weights (and biases) of one matrix sit side by side in one block of memory, each expert's parameter a
+  view of its slice (:func:`_share_storage`), so the GEMM reads the block as one ``(E, out, in)`` tensor: no stacked
+  copy of every expert's weights per call. Under autocast the block is cast once while the weights stay the same,
+  and every micro-batch of the step shares the cast (as autocast caches a linear layer's cast weight). Checkpoint
+  keys and the per-expert path stay those of plain ``MLP`` experts. Where the block cannot be kept (FSDP2 shards,
+  experts pruned apart) or read (a compiled layer), the weights are stacked per call.
 - **per expert** (elsewhere: fp32 or fp16 on a GPU): one ``index_select`` / MLP / ``index_add`` per expert, whose
   sizes are the one host read of the layer per call.
 """
@@ -35,10 +42,14 @@ Two ways to run the experts, the same routing:
 from __future__ import annotations
 
 import math
+import weakref
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dynmo_lightning.models.blocks import MLP
 from dynmo_lightning.protocol import is_probing
@@ -102,12 +113,34 @@ class MoEMLP(nn.Module):
         self.z_loss_coef = z_loss_coef
         self.router = nn.Linear(n_embd, n_experts, bias=False)
         self.experts = nn.ModuleList(MLP(n_embd, hidden, dropout, bias) for _ in range(n_experts))
+        self._group_experts()
+        # A checkpoint of a pruned model resizes the experts' parameters: put them back into blocks after a load.
+        self.register_load_state_dict_post_hook(_regroup_after_load)
         #: ``None``: the grouped GEMM wherever it runs (:meth:`masks_on_device`); ``False``: always per expert.
         self.grouped: bool | None = None
         # Plain attributes (not buffers): logging statistics that travel with the pickled module, not checkpointed.
         # Tensors on the device (read only when asked for), or host values.
         self._kept: Tensor | list[int] = [0] * n_experts
         self._assignments: Tensor | int = 0
+
+    def _group_experts(self) -> None:
+        """Put each matrix's weights (and biases) of all experts side by side in one block (see the module doc)."""
+        for linear in ("fc", "proj"):
+            for name in ("weight", "bias"):
+                params = [getattr(getattr(e, linear), name) for e in self.experts]
+                if params[0] is not None:
+                    _share_storage(params)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MoEMLP:
+        # ``to``, ``to_empty``, ``half``...: every parameter gets storage of its own, so group them again.
+        super()._apply(fn, recurse)
+        self._group_experts()
+        return self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled (a migrated layer, a deep copy): each parameter arrived in its own storage.
+        super().__setstate__(state)
+        self._group_experts()
 
     @property
     def tokens_per_expert(self) -> list[int]:
@@ -220,22 +253,24 @@ class MoEMLP(nn.Module):
                 top_p = torch.where(row, top_p, -1.0)
                 real = mask.sum().clamp(min=1)
             routed = _count(top_e, self.n_experts, None if mask is None else row)
-            order, keep, kept = self._plan_on_device(top_p, top_e, routed, real, None if mask is None else row)
-            offsets = kept.cumsum(0).to(torch.int32)
-        tokens = order // k
-        bias_of = top_e[order]
+            order, kept = self._plan_on_device(top_p, top_e, routed, real, None if mask is None else row)
+            align = group_alignment(flat.device, _gemm_dtype(flat))
+            rows, keep, offsets = _padded_groups(kept, len(order), align)
+            assignment = order[rows]
+        tokens = assignment // k
+        bias_of = top_e[assignment]
         h = _grouped_linear(flat.index_select(0, tokens), [e.fc for e in self.experts], bias_of, offsets, keep)
         h = F.gelu(h)
         out = _grouped_linear(h, [e.proj for e in self.experts], bias_of, offsets, keep)
         out = self.experts[0].drop(out)  # every expert's dropout is the same module type and rate
-        y = torch.zeros_like(flat).index_add_(0, tokens, (out * gates[order, None]).to(flat.dtype))
+        y = torch.zeros_like(flat).index_add_(0, tokens, (out * gates[assignment, None]).to(flat.dtype))
         self._record(kept, (real if isinstance(real, int) else real.detach()) * k)
         return y, routed, real
 
     def _plan_on_device(
         self, top_p: Tensor, top_e: Tensor, routed: Tensor, real: Tensor | int, row: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Every assignment, the kept ones first grouped by expert; whether each is kept; how many per expert.
+    ) -> tuple[Tensor, Tensor]:
+        """Every assignment, the kept ones first grouped by expert; how many are kept per expert.
 
         The same choice as :meth:`_plan` (priority by probability, ties to the earlier assignment), with the
         capacity and the loads as device tensors.
@@ -256,7 +291,7 @@ class MoEMLP(nn.Module):
             dropped = dropped | (rank[order] >= capacity)
         kept_first = dropped.to(torch.int8).argsort(stable=True)
         order, keep = order[kept_first], ~dropped[kept_first]
-        return order, keep, _count(top_e[order], self.n_experts, keep)
+        return order, _count(top_e[order], self.n_experts, keep)
 
     def _plan(self, top_p: Tensor, top_e: Tensor, routed: Tensor, capacity: int | None) -> tuple[Tensor, list[int]]:
         """Which token assignments each expert computes (the per-expert way: its loads read on the host).
@@ -310,18 +345,142 @@ def _count(experts: Tensor, n_experts: int, where: Tensor | None = None) -> Tens
     return counts.scatter_add_(0, experts, ones)
 
 
+def group_alignment(device: torch.device, dtype: torch.dtype) -> int:
+    """Rows each expert's group of a grouped GEMM starts at a multiple of: 16 bytes of rows on CUDA, else 1.
+
+    torchtitan pads the token groups to 8 rows in bf16 for torch's CUDA kernel, whose backward slices 2-D operands at
+    the offsets. The wheel holds no source that says the kernel needs no alignment (the meta checks,
+    ``_meta_grouped_mm_common`` in ``torch/_meta_registrations.py``, look at strides only), so CUDA pads; the CPU
+    kernel loops over the groups and needs nothing (padding there would only cost rows).
+    """
+    return 16 // dtype.itemsize if device.type == "cuda" else 1
+
+
+def _gemm_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the grouped GEMMs run in: autocast's where it is on (as a linear layer's), else ``x``'s."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def _padded_groups(kept: Tensor, n: int, align: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows of the grouped GEMMs when each expert's group starts at a multiple of ``align`` rows.
+
+    Args:
+        kept: assignments each expert computes; they come first in the order of ``n`` assignments, by expert.
+        n: assignments in that order.
+        align: the groups' alignment in rows.
+
+    Returns:
+        Per row (``n + (align - 1) * E`` of them: the most padding takes, so no size is read from the device), the
+        position in the order of the assignment it computes (any valid one for a padding row); whether it computes
+        one; and the groups' ends (``int32`` offsets).
+    """
+    padded = (kept + align - 1) // align * align
+    ends = padded.cumsum(0)
+    row = torch.arange(n + (align - 1) * len(kept), device=kept.device)
+    group = torch.searchsorted(ends, row, right=True).clamp(max=len(kept) - 1)
+    within = row - (ends - padded)[group]
+    real = within < kept[group]
+    first = kept.cumsum(0) - kept
+    return (first[group] + within).clamp(0, n - 1), real, ends.to(torch.int32)
+
+
 def _grouped_linear(x: Tensor, linears: list[nn.Linear], expert: Tensor, offsets: Tensor, keep: Tensor) -> Tensor:
     """``linears[expert[i]](x[i])`` for the kept rows (grouped by expert, ``offsets`` their ends); zero elsewhere.
 
     Rows past the last offset are not computed: their outputs (and, in backward, their gradients) are whatever
     memory held, so both ends are masked.
     """
-    weight = torch.stack([lin.weight for lin in linears]).transpose(1, 2)  # (E, in, out): x @ W.T per expert
-    x = torch.where(keep[:, None], x, 0.0)
     # Under autocast a linear layer computes in the autocast dtype; the grouped GEMM is cast the same way.
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    out = F.grouped_mm(x.to(dtype), weight.to(dtype), offs=offsets)
+    dtype = _gemm_dtype(x)
+    weight = _experts_tensor([lin.weight for lin in linears], dtype).transpose(1, 2)  # (E, in, out): x @ W.T
+    x = torch.where(keep[:, None], x, 0.0)
+    out = F.grouped_mm(x.to(dtype), weight, offs=offsets)
     if linears[0].bias is not None:
-        out = out + torch.stack([lin.bias for lin in linears]).index_select(0, expert).to(out.dtype)
+        out = out + _experts_tensor([lin.bias for lin in linears], out.dtype).index_select(0, expert)
     return torch.where(keep[:, None], out, 0.0)
+
+
+#: Each block's cast under autocast, by its first parameter: made once and shared by the calls of a step, as
+#: autocast caches a linear layer's cast weight (every micro-batch in flight would otherwise save a copy of all
+#: experts' weights). Held weakly: it lives while a graph saves it, not between steps.
+_CASTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _experts_tensor(params: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """``torch.stack(params).to(dtype)``: a view of their block where they share one (:func:`_share_storage`).
+
+    A cast is made once while the parameters stay the same (same storage, place, version and ``requires_grad``):
+    each call of a training step gets the same one.
+    """
+    if torch.compiler.is_compiling():
+        return torch.stack(params).to(dtype)  # dynamo reads no storages: a compiled layer stacks, as before
+    if params[0].dtype == dtype or not torch.is_grad_enabled():
+        return _stacked(params).to(dtype)
+    storages = [p.untyped_storage() for p in params]
+    key = (dtype, tuple((p.storage_offset(), p._version, p.requires_grad) for p in params))
+    cached = _CASTS.get(params[0])
+    same = cached is not None and cached[0] == key and all(r() is s for r, s in zip(cached[1], storages, strict=True))
+    cast = cached[2]() if same else None
+    if cast is None:
+        cast = _stacked(params).to(dtype)
+        _CASTS[params[0]] = (key, [weakref.ref(s) for s in storages], weakref.ref(cast))
+    return cast
+
+
+def _stacked(params: list[Tensor]) -> Tensor:
+    """``torch.stack(params)``, as a view of their block where they share one (:func:`_share_storage`)."""
+    block = _block(params)
+    return torch.stack(params) if block is None else _BlockView.apply(block, *params)
+
+
+def _share_storage(params: list[Tensor]) -> None:
+    """Give ``params`` (of one shape, dtype and device) one block of memory, each its slice, values kept.
+
+    The parameters stay the same objects (optimizers, hooks and checkpoint keys see no change). Sharded parameters
+    (DTensors) are left alone: FSDP2 owns their storage.
+    """
+    first = params[0]
+    if any(isinstance(p, DTensor) for p in params) or _block(params) is not None:
+        return
+    if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device for p in params):
+        return  # experts pruned to different widths: they run one by one
+    block = torch.empty((len(params), *first.shape), dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for p, view in zip(params, block, strict=True):
+            view.copy_(p)
+            p.data = view
+
+
+def _block(params: list[Tensor]) -> Tensor | None:
+    """The ``(len(params), ...)`` block ``params`` are consecutive slices of, or ``None``."""
+    first = params[0]
+    if isinstance(first, DTensor) or not first.is_contiguous():
+        return None
+    size = first.numel()
+    end = (first.storage_offset() + len(params) * size) * first.element_size()
+    if first.untyped_storage().nbytes() < end:
+        return None
+    block = first.detach().as_strided((len(params), *first.shape), (size, *first.stride()), first.storage_offset())
+    return block if all(p.is_set_to(view) for p, view in zip(params, block, strict=True)) else None
+
+
+class _BlockView(torch.autograd.Function):
+    """``torch.stack`` of tensors that are the slices of one block, without the copy: the block itself.
+
+    Backward hands each tensor its slice of the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, block: Tensor, *params: Tensor) -> Tensor:
+        return block
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, *grad.unbind(0))
+
+
+def _regroup_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    # A load_state_dict post-hook (module level, so that the layer still pickles).
+    assert isinstance(module, MoEMLP)
+    module._group_experts()

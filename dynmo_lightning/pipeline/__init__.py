@@ -1,6 +1,7 @@
 """The pipeline runtime, one room per job; ``DynMoStrategy`` orchestrates them.
 
 * ``checkpoint`` - one file with the unsplit model's keys, optimizer state by name, an atomic ``CheckpointIO``.
+* ``compiled`` - layers compiled in place (``strategy.compile``), eager again while they migrate.
 * ``elastic`` - who is in the job and where (nodes, stable process ids), who waits, calling them back (grow).
 * ``evaluation`` - what validation and test steps log: the loss, perplexity of token targets, the module's own.
 * ``groups`` - restarting the world among survivors (each survivor's view of it) and releasing the others.

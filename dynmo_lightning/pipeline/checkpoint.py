@@ -18,6 +18,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -138,6 +139,8 @@ def gather_checkpoint(checkpoint: dict[str, Any], pipe: PipelineGroup) -> dict[s
     part = move_data_to_device(
         {"state_dict": checkpoint.get("state_dict", {}), "optimizer_states": checkpoint.get("optimizer_states")}, "cpu"
     )
+    # A view pickles its whole storage (the MoE experts' views of one block would send the block once per expert).
+    part = apply_to_collection(part, Tensor, _own_storage)
     if pipe.rank != 0:
         transport.send_header(part, pipe.global_rank(0), pipe)
         return None
@@ -150,6 +153,11 @@ def gather_checkpoint(checkpoint: dict[str, Any], pipe: PipelineGroup) -> dict[s
             for i in range(len(parts[0]["optimizer_states"]))
         ]
     return merged
+
+
+def _own_storage(t: Tensor) -> Tensor:
+    """``t``, or a copy of it where it views a larger storage."""
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
 def record_layout(partitions: list[dict[str, Any]], world_size: int, layout: ReplicaLayout) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.loops.loop import _Loop
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynmo_lightning.pipeline import groups, release
 from dynmo_lightning.pipeline.layout import ReplicaLayout
@@ -193,12 +194,18 @@ class ElasticWorld:
 
 # --- the trainer's state, handed to re-admitted processes -------------------------------------------------------------
 def capture_trainer_state(trainer: pl.Trainer) -> dict[str, Any]:
-    """What a process needs to continue Lightning's loop at this step: loops, callbacks, LR schedulers."""
-    return {
+    """What a process needs to continue Lightning's loop at this step: loops, callbacks, LR schedulers.
+
+    Tensors in it (a monitored ``ModelCheckpoint``'s ``best_model_score`` lives on the GPU) come to the CPU before it
+    is pickled for the re-admitted processes: unpickled, a CUDA tensor would land on rank 0's device index, or fail
+    where that index is not visible; loaded state is on the CPU anyway, as from a checkpoint.
+    """
+    state = {
         "fit_loop": trainer.fit_loop.state_dict(),
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
         "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
     }
+    return apply_to_collection(state, torch.Tensor, lambda t: t.detach().cpu())
 
 
 def _not_restarting(loop: Any) -> None:

@@ -4,37 +4,79 @@ The strategy runs the pipeline's forward itself, so the module's ``validation_st
 every process logs the same values instead:
 
 - ``{stage}_loss``: the mean micro-batch loss, shared from the last stage;
-- ``{stage}_ppl``: torchmetrics' ``Perplexity`` over every target token of the epoch, for token targets
-  (integer targets of rank 2 or more: ``[batch, seq]`` against ``[batch, seq, vocab]`` outputs). A classifier's
-  targets (``[batch]`` class ids) get none: its outputs are not per-token distributions;
+- ``{stage}_ppl``: the perplexity over every target token of the epoch (torchmetrics' ``Perplexity``: the exponent
+  of the mean negative log-likelihood), for token targets (integer targets of rank 2 or more: ``[batch, seq]``
+  against ``[batch, seq, vocab]`` outputs). A classifier's targets (``[batch]`` class ids) get none: its outputs are
+  not per-token distributions. The last stage sums the likelihoods micro-batch by micro-batch (:class:`EvalOutput`):
+  the batch's outputs are neither merged nor copied to float for it (at vocabulary 128k, batch 8 and sequence 4096
+  those two are 25-35 GB);
 - whatever the module's ``pipeline_eval_step(output, target, stage)`` logs (accuracy, F1, exact match...). It runs
-  on the last stage, the only one with the pipeline's output; its ``self.log`` calls are recorded there, sent over
-  the pipeline's CPU control group and replayed on the other stages, so every process logs the same names with the
-  same values. A logged torchmetrics ``Metric`` is replayed as the same attribute of the module, which only the last
-  stage updated: at the epoch's end its ``compute`` sums the states of every process (the other stages add none),
-  which is the last stages' of all replicas together.
+  on the last stage, the only one with the pipeline's output (merged for the hook, and kept only for a module that
+  has one); its ``self.log`` calls are recorded there, sent over the pipeline's CPU control group and replayed on
+  the other stages, so every process logs the same names with the same values. A logged torchmetrics ``Metric`` is
+  replayed as the same attribute of the module, which only the last stage updated: at the epoch's end its
+  ``compute`` sums the states of every process (the other stages add none), which is the last stages' of all
+  replicas together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
+from torchmetrics import Metric
 
 from dynmo_lightning.pipeline.layout import PipelineGroup
-from dynmo_lightning.pipeline.reduce import last_stage_perplexity
 
 #: The module hook that computes and logs evaluation metrics from the pipeline's output.
 EVAL_HOOK = "pipeline_eval_step"
+#: Targets that are no tokens (padding), as ``torch.nn.functional.cross_entropy`` ignores them.
+IGNORE_INDEX = -100
 
 
 def token_targets(target: Tensor) -> bool:
     """Whether ``target`` holds token ids (integers with a sequence dimension): what perplexity is defined for."""
     return not target.is_floating_point() and target.dim() >= 2
+
+
+@dataclasses.dataclass
+class EvalOutput:
+    """What the last stage keeps of one evaluation batch, added micro-batch by micro-batch (:meth:`add`).
+
+    Args:
+        keeps_outputs: whether the outputs are kept (merged by the schedule into :attr:`output`): only for the
+            module's ``pipeline_eval_step``, which needs them.
+    """
+
+    keeps_outputs: bool
+    #: The merged outputs of the batch (``None`` unless kept).
+    output: Any = None
+    #: Sum of the negative log-likelihood of every target token so far (``None``: no token targets).
+    nll: Tensor | None = None
+    #: Target tokens so far (those equal to PyTorch's ignore index, -100, are not targets).
+    tokens: Tensor | None = None
+
+    @classmethod
+    def of(cls, module: Any) -> EvalOutput:
+        """An empty one for ``module`` (it keeps outputs where ``module`` has the hook that reads them)."""
+        return cls(keeps_outputs=callable(getattr(module, EVAL_HOOK, None)))
+
+    def add(self, output: Any, target: Tensor) -> None:
+        """Count one micro-batch's output against its targets (on the device: nothing is read)."""
+        if not token_targets(target):
+            return
+        logits = output[0] if isinstance(output, tuple) else output
+        # One micro-batch's logits in float at a time; the sums torchmetrics' ``Perplexity`` takes.
+        nll = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction="sum")
+        tokens = (target != IGNORE_INDEX).sum()
+        self.nll = nll if self.nll is None else self.nll + nll
+        self.tokens = tokens if self.tokens is None else self.tokens + tokens
 
 
 class PipelineEvaluation:
@@ -52,14 +94,16 @@ class PipelineEvaluation:
         self._pipe, self._has_last, self._last_rank = pipe, has_last_stage, last_rank
         self._perplexity: dict[str, Any] = {}
 
-    def log(self, module: Any, stage: str, loss: Tensor, output: Any, target: Tensor, batch_size: int) -> None:
+    def log(
+        self, module: Any, stage: str, loss: Tensor, output: EvalOutput | None, target: Tensor, batch_size: int
+    ) -> None:
         """Log ``stage``'s loss, perplexity (token targets) and the module's own metrics (collective over the pipeline).
 
         Args:
             module: the LightningModule.
             stage: ``"val"`` or ``"test"``.
             loss: the step's loss (on every process).
-            output: the last stage's output (``None`` elsewhere).
+            output: what the last stage kept of the batch (``None`` elsewhere).
             target: the batch's targets.
             batch_size: samples in the batch.
         """
@@ -68,16 +112,18 @@ class PipelineEvaluation:
         module.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True, **log)
         if token_targets(target):
             metric = self._token_perplexity(stage)
-            if self._has_last():
-                metric.update((output[0] if isinstance(output, tuple) else output).float(), target)
+            if output is not None and output.nll is not None and output.tokens is not None:
+                metric.update(output.nll, output.tokens)
+            else:  # the other stages add nothing to the sums every process's metric is reduced over
+                metric.update(torch.zeros((), device=self._pipe().device), 0)
             module.log(f"{stage}_ppl", metric, metric_attribute=f"_dynmo_{stage}_ppl", **log)
         hook = getattr(module, EVAL_HOOK, None)
         if callable(hook):
-            self._module_metrics(module, hook, stage, output, target)
+            self._module_metrics(module, hook, stage, output.output if output is not None else None, target)
 
-    def _token_perplexity(self, stage: str) -> Any:
+    def _token_perplexity(self, stage: str) -> TokenPerplexity:
         if stage not in self._perplexity:
-            self._perplexity[stage] = last_stage_perplexity(self._has_last(), self._pipe().device)
+            self._perplexity[stage] = TokenPerplexity().to(self._pipe().device)
         return self._perplexity[stage]
 
     def _module_metrics(self, module: Any, hook: Callable, stage: str, output: Any, target: Tensor) -> None:
@@ -97,6 +143,33 @@ class PipelineEvaluation:
                 warnings.filterwarnings("ignore", message=r".*``compute`` method of metric .* before the ``update``")
                 for name, value, args, kwargs in payload[0]:
                     module.log(name, _replayed(module, value, pipe.device), *args, **kwargs)
+
+
+class TokenPerplexity(Metric):
+    """torchmetrics' ``Perplexity`` from sums that were taken micro-batch by micro-batch (:class:`EvalOutput`).
+
+    ``exp(nll / tokens)`` over everything added, on every process (its sums are reduced over all of them).
+    """
+
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+    nll: Tensor
+    tokens: Tensor
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("nll", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("tokens", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, nll: Tensor, tokens: Tensor | int) -> None:
+        """Add a sum of negative log-likelihoods of ``tokens`` target tokens."""
+        self.nll += nll
+        self.tokens += tokens
+
+    def compute(self) -> Tensor:
+        """The perplexity of every token added."""
+        return torch.exp(self.nll / self.tokens)
 
 
 class _recording:
@@ -138,6 +211,4 @@ def _replayed(module: Any, value: Any, device: torch.device) -> Any:
 
 
 def _is_metric(value: Any) -> bool:
-    from torchmetrics import Metric
-
     return isinstance(value, Metric)

@@ -11,7 +11,6 @@ and keeps its address, node and local rank, so devices stay where they were.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import socket
@@ -27,6 +26,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
 from dynmo_lightning.pipeline.layout import group_device
+from dynmo_lightning.profiling import release_cached_memory
 
 #: What a process released by consolidation does: leave at once, idle until training ends, or join other released
 #: processes in a new data-parallel replica of the pipeline.
@@ -298,9 +298,7 @@ def release(address: str, control_port: int, on_release: str, device: torch.devi
     returned) or training ends (:data:`SHUTDOWN_KEY`: ``None``); otherwise it returns ``None`` at once. The caller
     then ends the process with :func:`end_process`.
     """
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_cached_memory(device)
     if on_release != "wait":
         return None
     store = dist.TCPStore(address, control_port, is_master=False, wait_for_workers=False, timeout=_RELEASED_WAIT)

@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 
 from dynmo_lightning.optim import drop_params
 from dynmo_lightning.pipeline import transport
+from dynmo_lightning.pipeline.compiled import reduce_compiled
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.pipeline.runtime import StagePlan
@@ -111,7 +112,8 @@ class _Packer(pickle.Pickler):
         self._keys: dict[int, int] = {}
 
     def reducer_override(self, obj: Any) -> Any:
-        return ShardedPickling.reduce_unit(obj)
+        reduced = ShardedPickling.reduce_unit(obj)  # also strips a compiled forward
+        return reduce_compiled(obj) if reduced is NotImplemented else reduced
 
     def persistent_id(self, obj: Any) -> Any:
         spec: tuple[Any, ...] = ()

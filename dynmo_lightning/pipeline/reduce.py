@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -296,13 +295,3 @@ def gather_costs(
         dist.all_gather_object(gathered, costs, group=group)
         costs = {i: {k: sum(r[i][k] for r in gathered) / n for k in costs[i]} for i in sorted(costs)}
     return costs
-
-
-def last_stage_perplexity(has_last_stage: bool, device: torch.device) -> Any:
-    """A torchmetrics ``Perplexity`` that only the last stage updates (the others add nothing to its sums)."""
-    from torchmetrics.text import Perplexity
-
-    if not has_last_stage:
-        # Expected here: this process contributes zero counts and never calls `update`.
-        warnings.filterwarnings("ignore", message=r"The ``compute`` method of metric Perplexity")
-    return Perplexity().to(device)

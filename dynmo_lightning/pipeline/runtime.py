@@ -46,6 +46,7 @@ from torch.distributed.pipelining.schedules import (
 
 from dynmo_lightning.balance.placement import V_SCHEDULES, stage_ranks
 from dynmo_lightning.pipeline import transport
+from dynmo_lightning.pipeline.compiled import is_compiled
 from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.pipeline.sharding import StageSharding
@@ -194,6 +195,8 @@ class PipelineRuntime:
         self.replicas_host: dist.ProcessGroup | None = None
         # What the training stages were wrapped for: the replica group and each stage's trainable parameters.
         self._wrapped_for: tuple[Any, list[list[int]]] | None = None
+        # Where an evaluation step hands each last-stage micro-batch output (see `step`).
+        self._each_output: Callable[[Any, Tensor], None] | None = None
 
     # ------------------------------------------------------------------------------------------------------------
     @property
@@ -253,12 +256,21 @@ class PipelineRuntime:
         return modules
 
     # ------------------------------------------------------------------------------------------------------------
-    def step(self, inputs: Any, target: Tensor, *, train: bool) -> StepResult:
+    def step(
+        self,
+        inputs: Any,
+        target: Tensor,
+        *,
+        train: bool,
+        outputs: bool = True,
+        each_output: Callable[[Any, Tensor], None] | None = None,
+    ) -> StepResult:
         """Run one schedule step on a whole batch: forward (and backward when ``train``) of every micro-batch.
 
         Gradients of the local parameters accumulate in ``.grad`` scaled to the mean over micro-batches.
         Returns the mean micro-batch loss on the last stage's rank (``None`` elsewhere); when not training, also the
-        merged last-stage output.
+        merged last-stage output, unless ``outputs`` is false (then no micro-batch's output is kept past its loss).
+        ``each_output(output, target)``, when given, sees each last-stage micro-batch's output of an evaluation.
         """
         inputs = as_tuple(inputs)
         if train:
@@ -277,12 +289,22 @@ class PipelineRuntime:
             if not schedule.scale_grads:
                 _divide_grads(self._built[train][1], self.n_microbatches)
         else:
-            output = schedule.eval(*args, **kwargs)
+            self._each_output = each_output
+            try:
+                output = schedule.eval(*args, return_outputs=outputs, **kwargs)
+            finally:
+                self._each_output = None
             self.sharding.reshard(stage.submod for stage in self._built[train][1])
         if not self.has_last_stage:
             return StepResult(loss=None)
         loss = torch.stack([x.detach().float() for x in losses]).mean()
         return StepResult(loss=loss, output=None if train else output)
+
+    def _eval_loss(self, output: Any, target: Tensor) -> Tensor:
+        """The evaluation schedule's loss of one micro-batch, which also hands the output to :meth:`step`'s caller."""
+        if self._each_output is not None:
+            self._each_output(output, target)
+        return self.loss_fn(output, target)
 
     # ------------------------------------------------------------------------------------------------------------
     def _build(self, inputs: tuple[Any, ...], target: Tensor, train: bool) -> tuple[Any, list[PipelineStage]]:
@@ -312,16 +334,17 @@ class PipelineRuntime:
         if train:
             self._wrapped_for = self._wrap_key()
         cls = SCHEDULES[self.schedule_name]
+        loss_fn = self.loss_fn if train else self._eval_loss
         if issubclass(cls, PipelineScheduleMulti):
             # torch divides each stage's gradients by the micro-batches when that stage's backwards are done: a
             # parameter two local stages share (a tie of the first and last stage under the V) would be divided
             # twice, once between the two stages' contributions. Such gradients are divided once, in `step`.
             scale = not _shares_parameters(stages)
-            schedule = cls(stages, self.n_microbatches, loss_fn=self.loss_fn, scale_grads=scale)
+            schedule = cls(stages, self.n_microbatches, loss_fn=loss_fn, scale_grads=scale)
             if not train and self.schedule_name in V_SCHEDULES:
                 _forward_only(schedule)
         else:
-            schedule = cls(stages[0], self.n_microbatches, loss_fn=self.loss_fn, scale_grads=True)
+            schedule = cls(stages[0], self.n_microbatches, loss_fn=loss_fn, scale_grads=True)
         return schedule, stages
 
     def _wrap_key(self) -> tuple[Any, list[list[int]]]:
@@ -452,6 +475,24 @@ class _Stage(PipelineStage):
         self._replicas_host = replicas_host
         self._sharding = sharding
         self._done_whole: set[int] = set()
+        self._compiled = any(is_compiled(m) for m in self.submod.modules())
+
+    def forward_one_chunk(
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
+    ) -> Any:
+        """The forward of one micro-batch; in evaluation the last stage then forgets the output.
+
+        torch caches every output for the backward and the send; evaluation's last stage has neither, and its cache
+        would hold all the batch's logits until the next step.
+        """
+        output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if self.is_last and not self.has_backward:
+            self.fwd_cache[fwd_chunk_id] = ((), self.fwd_cache[fwd_chunk_id][1])  # nothing to send: no outputs
+        return output
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         """The replicas' gradient reduction after the last backward (FSDP2 / replicate units)."""
@@ -465,7 +506,8 @@ class _Stage(PipelineStage):
         """Backward of micro-batch ``bwd_chunk_id``: its input part only, unless the inputs carry no gradient."""
         if not full_backward and not self.is_first and bwd_chunk_id in self.fwd_cache:
             inputs = self.fwd_cache[bwd_chunk_id][1]
-            if not any(isinstance(t, Tensor) and t.requires_grad for t in inputs):
+            # no input gradient, or a compiled layer (its backward is one AOTAutograd graph): whole at once
+            if self._compiled or not any(isinstance(t, Tensor) and t.requires_grad for t in inputs):
                 full_backward = True
                 self._done_whole.add(bwd_chunk_id)
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -15,6 +16,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 
 from dynmo_lightning.pipeline import launcher, sharded
+from dynmo_lightning.pipeline.compiled import check_options
 from dynmo_lightning.recompute import Policy
 
 
@@ -61,6 +63,10 @@ class StrategySettings:
     activation_checkpointing: str | int | Policy | None = None
     """Recompute layers' activations in backward instead of keeping them: ``None`` (off), ``"all"``, ``k`` (every
     k-th layer) or ``(index, layer) -> bool`` (docs/activation_checkpointing.md)."""
+    compile: bool | dict[str, Any] = False
+    """Compile every pipeline layer's ``forward`` in place with ``torch.compile`` (a dict: its options, e.g.
+    ``{"mode": "max-autotune"}``); names, optimizer groups and checkpoint keys stay the model's, a layer that
+    migrates is compiled on arrival (``pipeline/compiled.py``)."""
 
     def __post_init__(self) -> None:
         launcher.check_arguments(
@@ -69,6 +75,7 @@ class StrategySettings:
         )  # fmt: skip
         if not isinstance(self.partition, str):  # a Hydra ListConfig, a tuple: plain integers
             self.partition = [int(n) for n in self.partition]
+        check_options(self.compile)
         if self.checkpoint_format not in sharded.FORMATS:
             raise ValueError(f"checkpoint.format={self.checkpoint_format!r} is not one of {list(sharded.FORMATS)}")
 

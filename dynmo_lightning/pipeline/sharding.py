@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor import empty as dt_empty
 from torch.nn.parallel import DistributedDataParallel
 
+from dynmo_lightning.pipeline.compiled import COMPILED
 from dynmo_lightning.protocol import local_part as local
 from dynmo_lightning.protocol import may_leave_parameters_unused
 
@@ -268,6 +269,8 @@ class ShardedPickling:
             state[name] = type(state[name])((k, v) for k, v in state[name].items() if k not in drop)
         for key in [k for k in state if k.startswith("__composable_api")]:
             del state[key]
+        if state.pop(COMPILED, None) is not None:
+            state.pop("forward", None)  # compiled again on arrival (pipeline/compiled.py)
         return _new_module, (_plain_class(type(obj)) if unit else type(obj),), state
 
     @staticmethod

@@ -9,6 +9,7 @@ different stages (:mod:`~dynmo_lightning.pipeline.ties`) and the schedule runtim
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -20,6 +21,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from dynmo_lightning.pipeline import reduce
+from dynmo_lightning.pipeline.compiled import check_options, compile_layer
+from dynmo_lightning.pipeline.evaluation import EvalOutput
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import PipelineGroup, ReplicaLayout
 from dynmo_lightning.pipeline.migration import MigrationStats, migrate, pack
@@ -27,6 +30,8 @@ from dynmo_lightning.pipeline.runtime import PipelineRuntime, StagePlan, StepRes
 from dynmo_lightning.pipeline.sharding import StageSharding
 from dynmo_lightning.pipeline.split import count_params, initial_partition, pipeline_layers, split_module
 from dynmo_lightning.pipeline.ties import TiedParameters
+from dynmo_lightning.profiling import release_cached_memory
+from dynmo_lightning.protocol import may_leave_parameters_unused
 from dynmo_lightning.recompute import Policy
 
 
@@ -46,6 +51,8 @@ class LocalStages:
         timeout: timeout of the ties' process groups.
         recompute: the layers under activation checkpointing (:func:`~dynmo_lightning.recompute.checkpoint_policy`).
         sharding: how the stages share their layers with their replicas (``None``: DDP).
+        compile_options: ``strategy.compile``: false (eager), true, or ``torch.compile``'s options for every layer
+            (``pipeline/compiled``).
     """
 
     def __init__(
@@ -63,8 +70,10 @@ class LocalStages:
         timeout: timedelta,
         recompute: Policy | None = None,
         sharding: StageSharding | None = None,
+        compile_options: bool | dict[str, Any] | None = None,
     ) -> None:
         self.module = module
+        self.compile_options = check_options(compile_options)
         self.device = device
         self.split = split_module(module, layers, plan, pipe.rank, device, seed)
         self.ties = TiedParameters(self.split.ties, layout, timeout)
@@ -100,6 +109,7 @@ class LocalStages:
         timeout: timedelta,
         recompute: Policy | None = None,
         sharding: StageSharding | None = None,
+        compile_options: bool | dict[str, Any] | None = None,
     ) -> LocalStages:
         """Split ``module`` with its first partition (``"uniform"``, ``"params"`` or a list; see pipeline/split).
 
@@ -124,6 +134,7 @@ class LocalStages:
             timeout=timeout,
             recompute=recompute,
             sharding=sharding,
+            compile_options=compile_options,
         )
 
     @property
@@ -137,11 +148,16 @@ class LocalStages:
         return self.runtime.sharding
 
     def shard(self) -> None:
-        """Make every local layer an FSDP2 / replicate unit (``data_parallel`` ``"fsdp"``/``"replicate"``).
+        """Compile (``compile``) and make units of (``data_parallel`` ``"fsdp"``/``"replicate"``) every local layer.
 
-        Once, after the layers are materialised on their device and before the optimizers see their parameters.
+        Once, after the layers are materialised on their device and before the optimizers see their parameters,
+        and for the layers that arrive by migration; torchtitan's order: compile, then FSDP.
         """
-        self.sharding.shard_layers(self.slots.get(i) for i in self.slots.local_indices())
+        layers = [self.slots.get(i) for i in self.slots.local_indices()]
+        if self.compile_options is not None:
+            for layer in layers:
+                compile_layer(layer, self.compile_options)
+        self.sharding.shard_layers(layers)
 
     @property
     def plan(self) -> StagePlan:
@@ -162,13 +178,31 @@ class LocalStages:
         With data-parallel ``replicas`` (their process group; ``replicas_host`` its CPU twin), gradients are averaged
         over them during or after the last micro-batch's backward (:mod:`~dynmo_lightning.pipeline.sharding`). The
         copies of a tie held by several stages get the sum of their gradients, as the unsplit model's one tensor.
+
+        Gradients start from nothing: set to ``None``, except where DDP keeps them in its buckets
+        (``gradient_as_bucket_view``): there they are zeroed in place, so that every micro-batch accumulates into the
+        buckets (a ``None`` gradient makes autograd allocate a fresh one, which the reducer then copies into its
+        bucket, and the ``no_sync`` micro-batches accumulate beside the buckets). Not for layers that may leave a
+        parameter without a gradient (an MoE layer run expert by expert): a zero gradient would make the optimizer
+        step a parameter that one process without replicas leaves alone.
         """
+        in_buckets = self._bucket_grads(replicas)
         for p in params:
-            p.grad = None
+            if p.grad is not None and id(p) in in_buckets:
+                p.grad.zero_()
+            else:
+                p.grad = None
         self.runtime.replicas, self.runtime.replicas_host = replicas, replicas_host
         result = self.runtime.step(inputs, target, train=True)
         self.ties.reduce_grads(self.slots, self.plan, self.pipe.rank)
         return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank)
+
+    def _bucket_grads(self, replicas: Any) -> set[int]:
+        """Ids of the parameters whose gradients DDP over ``replicas`` keeps in its buckets and always gives one."""
+        if replicas is None or self.sharding.units:
+            return set()
+        layers = [self.slots.get(i) for i in self.slots.local_indices()]
+        return {id(p) for layer in layers if not may_leave_parameters_unused(layer) for p in layer.parameters()}
 
     def average_replicas(self, loss: Tensor, group: Any, n: int, host_group: Any) -> None:
         """Average the logged loss and data-adapted buffers over ``n`` replicas (gradients: see :meth:`train`).
@@ -198,9 +232,17 @@ class LocalStages:
         return payload[0]
 
     def evaluate(self, inputs: Any, target: Tensor) -> tuple[Tensor, StepResult]:
-        """Forward of every micro-batch; the loss on every process, and the last stage's outputs there."""
-        result = self.runtime.step(inputs, target, train=False)
-        return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank), result
+        """Forward of every micro-batch; the loss on every process, and on the last stage what it kept of the batch.
+
+        The result's ``output`` is an :class:`~dynmo_lightning.pipeline.evaluation.EvalOutput` there (``None``
+        elsewhere): the token sums of every micro-batch, and the merged outputs only where the module's
+        ``pipeline_eval_step`` needs them.
+        """
+        kept = EvalOutput.of(self.module)
+        result = self.runtime.step(inputs, target, train=False, outputs=kept.keeps_outputs, each_output=kept.add)
+        kept.output = result.output
+        loss = reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank)
+        return loss, dataclasses.replace(result, output=kept if self.runtime.has_last_stage else None)
 
     def request_profile(self) -> None:
         """Profile the coming step (several callers may ask; the step is measured once)."""
@@ -235,13 +277,16 @@ class LocalStages:
         """Move layers to partition ``new`` with all their state (collective over the pipeline).
 
         The built stages go first: their buffers (a receive buffer per micro-batch, DDP's gradient buckets) are not
-        held while layers travel.
+        held while layers travel. After the commit the memory of the layers that left goes back to the device
+        (:func:`release_cached_memory`): the caching allocator would otherwise keep their blocks, fragmenting across
+        moves.
         """
         self.runtime.invalidate()
         stats = migrate(self.slots, optimizers, self.plan, new, pipe=self.pipe, sharding=self.sharding)
         self.ties.follow(self.slots, new, self.pipe.rank, optimizers)
         self.shard()  # arrived units are units again; a tie they would share on this process is refused here
         self.runtime.set_plan(new)
+        release_cached_memory(self.device)  # the layers that left: their blocks back to the device
         return stats
 
     def pack(
@@ -258,7 +303,9 @@ class LocalStages:
         """
         self.runtime.invalidate()  # as in :meth:`migrate`
         args = (self.slots, optimizers, self.plan, keep_ranks, layers_per_stage, copies)
-        return pack(*args, pipe=self.pipe, job=job)
+        stats = pack(*args, pipe=self.pipe, job=job)
+        release_cached_memory(self.device)
+        return stats
 
     def adopt(self, plan: StagePlan, pipe: PipelineGroup, optimizers: Sequence[Optimizer]) -> None:
         """Run ``plan`` on ``pipe`` of a new world (layers already packed; the ties get new groups)."""

@@ -141,3 +141,23 @@ def test_the_policy_moves_in_parts_or_refuses_a_move_that_would_not_fit():
     assert (staged.action, staged.proposed, staged.steps) == (MIGRATE, [3, 4, 1], [[2, 4, 2]])
     refused = _policy_with(14.5).decide(pipe)[0]
     assert refused.action == KEEP and "move refused" in refused.info["memory"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.floats(0.5, 4.0), min_size=6, max_size=10),
+    st.lists(st.floats(0.0, 1.0), min_size=10, max_size=10),  # activations small enough that even splits exist
+    st.sampled_from([3, 4]),
+)
+def test_even_memory_reaches_the_even_split_brute_force_finds(costs, acts, n_stages):
+    """Issue 35's bar: peaks within 1.15x of each other at <= 3 % step time, wherever brute force finds such a split."""
+    layers = [LayerBytes(1.0, 1.0, 2.0, a) for a in acts[: len(costs)]]
+    model = StepModel(costs, [2 * c for c in costs], 8, "1f1b")
+    check = MemoryCheck(layers, "1f1b", 8, 1, math.inf)
+    t, fast = makespan_split(model, n_stages, memory=check)
+    within = [s for s in compositions(len(costs), n_stages) if model(s) <= 1.03 * t]
+    best = min(check.spread(s) for s in within)
+    even = even_memory(model, check, fast, t, cost=0.03)
+    assert model(even) <= 1.03 * t * (1 + 1e-9)
+    if best <= 1.15:
+        assert check.spread(even) <= 1.15

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from support.bench_data import synthetic_table
 
 from dynmo_lightning.bench.layer_costs import CostTable, LayerShape, graft_weight_parts, measure
@@ -60,7 +61,8 @@ def _costs(table: dict) -> list[dict]:
 def test_measure_times_every_state_on_a_small_layer():
     shape = LayerShape(hidden=32, heads=2, seq=32, vocab=64, n_experts=4, attn_block=8)
     parts = ["dense and frozen block", "early exit", "embedding and head"]
-    table = measure(shape, parts=parts, min_run_time=0.001, log=lambda s: None)
+    # On the CPU whatever the machine has: `measure` picks the accelerator by default (see the next test).
+    table = measure(shape, parts=parts, min_run_time=0.001, device="cpu", log=lambda s: None)
     assert table["shape"]["hidden"] == 32 and table["threads"] >= 1 and table["machine"]["device"] == "cpu"
     # A frozen block runs forward only (no backward timed at all); timings themselves are not judged here.
     assert table["block"]["frozen"]["bwd"] == 0.0 and table["block"]["trainable"]["bwd"] >= 0.0
@@ -71,3 +73,16 @@ def test_measure_times_every_state_on_a_small_layer():
     for cost in (table["block"]["trainable"], table["head"], *table["exit"].values()):
         assert 0.0 <= cost["wgt"] <= cost["bwd"]
     assert table["embedding"]["wgt"] == table["embedding"]["bwd"] and table["block"]["frozen"]["wgt"] == 0.0
+
+
+def test_the_device_is_the_accelerator_by_default_and_the_cpu_when_asked(monkeypatch):
+    # A machine with a visible GPU, on this CPU-only build: torch's accelerator queries answer as they would there.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: None)  # torch.utils.benchmark's wait
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert measure(parts=[], log=lambda s: None)["machine"]["device"] == "NVIDIA H200"  # "auto": the GPU
+    shape = LayerShape(hidden=32, heads=2, seq=32, vocab=64, n_experts=4, attn_block=8)
+    table = measure(shape, parts=["embedding and head"], min_run_time=0.001, device="cpu", log=lambda s: None)
+    assert table["machine"]["device"] == "cpu" and table["head"]["fwd"] > 0

@@ -56,10 +56,12 @@ def test_p2p_tensors_live_on_the_backends_device_and_the_clock_waits_for_them(mo
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("synchronize"))
     with FakeTensorMode():
         link = real.measure_p2p(4096, repeats=3)
-    assert set(sent) == {device} and len(sent) == 2 * 2 * 3  # latency and bandwidth, a ping-pong per repeat
+    # latency and bandwidth: a ping-pong per repeat, after one untimed (NCCL creates the pair's communicator then)
+    assert set(sent) == {device} and len(sent) == 2 * 2 * (3 + 1)
+    assert log[:3] == ["send", "recv", "barrier"], log
     if device.type == "cuda":
-        # per measurement: barrier, start event, the transfers, end event, then the device synchronised
-        assert log[:3] == ["barrier", "record", "send"] and log[8:10] == ["record", "synchronize"], log
+        # per measurement: the untimed round, barrier, start event, the transfers, end event, then the synchronisation
+        assert log[2:5] == ["barrier", "record", "send"] and log[10:12] == ["record", "synchronize"], log
         assert link["p2p_latency_s"] == pytest.approx(2e-3 / 6)
     else:
         assert "record" not in log and "synchronize" not in log

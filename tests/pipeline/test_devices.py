@@ -250,7 +250,7 @@ def test_layers_travel_device_to_device_with_their_header_on_the_control_group(w
         slots = LayerSlots(nn.ModuleList([layer]), [layer])
         sent = _send_layers(slots, [optimizer], [0], 1, _pipe(0))
         _headers_hold_no_tensors(wire)
-        got, received = _recv_layers(0, _pipe(1))
+        got, received = _recv_layers(0, _pipe(1), None)
     module, entries = got[0]
     assert sent == received > 200 * 200 * 4
     assert {t.device for t in (*module.parameters(), *module.buffers())} == {GPU0}

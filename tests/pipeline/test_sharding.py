@@ -179,6 +179,11 @@ def test_unknown_mode_and_combinations_that_cannot_work_are_refused():
     balancer = DynMoBalancer(repack=True)
     with pytest.raises(ValueError, match=r"balancer.repack with strategy.data_parallel='fsdp' is not supported"):
         balancer.pipeline_check_job(JobShape(4, 4, 1, None, "fsdp"))
+    from dynmo_lightning.callbacks import GradualPruning
+
+    with pytest.raises(ValueError, match=r"dynamics.mode='structured' pruning changes the layers' shapes"):
+        GradualPruning(mode="structured").pipeline_check_job(JobShape(4, 2, 1, None, "fsdp"))
+    GradualPruning(mode="unstructured").pipeline_check_job(JobShape(4, 2, 1, None, "fsdp"))
     # the capacity check counts a shard per process under fsdp
     DynMoBalancer(memory_capacity=600.0).pipeline_check_job(JobShape(4, 2, 1, [1000, 1000], "fsdp"))
     with pytest.raises(ValueError, match="cannot hold the model"):

@@ -11,10 +11,13 @@ start import these modules by the same names. Modules, imported by tests (``from
 * ``injected_costs`` - layer costs injected into the balancer's measurements (also a ``dynmo-train`` script).
 * ``tied_blocks`` - GPTs that tie parameters by declaration (Hydra targets ``support.tied_blocks.*``).
 * ``user_model``, ``classifier_model``, ``hf_models`` - a user's own models, a classifier, tiny Hugging Face models.
+* ``moe_models`` - a GPT whose MoE layers run expert by expert; ``memory`` - a peak-bytes counter; ``stages`` - a
+  one-process ``LocalStages``.
 
 Scripts, started by path in launched processes (:data:`SUPPORT` ``/ name``): ``_worker`` (several ``dynmo-train``
 configurations per launch), ``_elastic_train``, ``_fresh_world_script``, ``_fault_script``, ``_migration_script``,
-``_user_script``, ``_classifier_script``, ``_hf_script``.
+``_user_script``, ``_classifier_script``, ``_hf_script``, ``_cli_script`` (LightningCLI), ``_sharding_script`` (what
+processes hold under ``data_parallel``), ``_summary_script``, ``_weights_only_script``, ``_pruning_script``.
 """
 
 from pathlib import Path

@@ -1,0 +1,78 @@
+"""Compiled pipeline layers: ``DynMoStrategy(compile=True | {options})`` compiles every layer in place.
+
+Each layer's ``forward`` is replaced on the instance by its compiled version (the module stays the
+module: names, optimizer groups and checkpoint keys are the unsplit model's). Only ``forward`` is compiled, not the
+module call: the hooks around it (FSDP2's gathers, the profiler's timers, activation checkpointing, which calls the
+layer) stay eager, so each composes with a compiled layer as with an eager one. Identical blocks share the compiled
+code (dynamo caches per code object and guards on the module's type and attributes, not its identity), which
+:func:`graphs` counts.
+
+A compiled forward does not pickle: a migrating layer travels without it (:func:`reduce_compiled`) and is compiled
+again on arrival. Under the zero-bubble schedules a compiled layer's backward is one AOTAutograd graph, which cannot
+run as separate input and weight parts: those stages run their backward whole in the input pass (the schedule's
+order stands; its weight tasks are empty for them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+#: Marks a layer whose ``forward`` was compiled here (the options it was compiled with).
+COMPILED = "_dynmo_compiled"
+
+
+def check_options(value: Any) -> dict[str, Any] | None:
+    """``DynMoStrategy(compile=...)`` as ``torch.compile``'s keyword arguments (``None``: eager).
+
+    Raises:
+        ValueError: neither a bool nor a dict of ``torch.compile``'s options.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, dict) or hasattr(value, "items"):
+        options = dict(value)
+        allowed = {"fullgraph", "dynamic", "backend", "mode", "options", "disable"}
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            raise ValueError(
+                f"strategy.compile has unknown torch.compile options {unknown}; allowed: {sorted(allowed)}"
+            )
+        return options
+    raise ValueError(f"strategy.compile={value!r} must be false, true or a dict of torch.compile options")
+
+
+def compile_layer(layer: nn.Module, options: dict[str, Any]) -> None:
+    """Compile ``layer``'s ``forward`` in place (once: a compiled layer is left as it is)."""
+    if getattr(layer, COMPILED, None) is not None:
+        return
+    layer.forward = torch.compile(layer.forward, **options)  # type: ignore[method-assign]
+    setattr(layer, COMPILED, dict(options))
+
+
+def is_compiled(layer: nn.Module) -> bool:
+    """Whether :func:`compile_layer` compiled ``layer``."""
+    return getattr(layer, COMPILED, None) is not None
+
+
+def reduce_compiled(obj: Any) -> Any:
+    """``Pickler.reducer_override``: a compiled layer as its eager self (``NotImplemented`` for anything else)."""
+    if not isinstance(obj, nn.Module) or getattr(obj, COMPILED, None) is None:
+        return NotImplemented
+    state = {k: v for k, v in obj.__dict__.items() if k not in ("forward", COMPILED)}
+    return _new_module, (type(obj),), state
+
+
+def _new_module(cls: type) -> nn.Module:
+    return cls.__new__(cls)
+
+
+def graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (a recompilation adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
