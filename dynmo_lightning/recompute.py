@@ -24,6 +24,13 @@ The recomputation repeats the forward exactly, or non-reentrant checkpointing wo
 
 A layer that runs without autograd (evaluation; a frozen layer whose inputs carry no gradient) has nothing to
 recompute and runs plainly.
+
+Under the zero-bubble schedules a stage's backward runs in two passes over the same graph, the input pass (gradients
+of the stage's inputs) and later the weight pass (of its parameters). torch's checkpoint recomputes once per
+backward pass (it keys what it recomputed by the autograd graph task, and frees each tensor as it is used), so a
+layer would run three times. Inside :func:`shared_recomputation` a checkpointed layer instead recomputes once, at
+the first pass that needs it, and keeps what it rebuilt for the other pass until the graph is freed (after the
+weight pass): one recomputation per micro-batch, as under 1F1B. :func:`recomputations` counts them.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 from dynmo_lightning.protocol import call_layer, probing, runs_without_autograd, stage_forward, stage_memo
 
@@ -100,6 +107,25 @@ def _check_signature(predicate: Callable[..., Any]) -> None:
         ) from None
 
 
+_count = [0]
+_shared = [False]
+
+
+def recomputations() -> int:
+    """Forwards this process has recomputed for backward so far (one per checkpointed layer and micro-batch)."""
+    return _count[0]
+
+
+@contextlib.contextmanager
+def shared_recomputation(enabled: bool = True) -> Iterator[None]:
+    """Within: checkpointed layers recompute once for every backward pass over their graph (see the module doc)."""
+    before, _shared[0] = _shared[0], enabled
+    try:
+        yield
+    finally:
+        _shared[0] = before
+
+
 def checkpointed_call(layer: nn.Module, x: Any, on_save: Callable[[Tensor], None] | None = None) -> Any:
     """Apply ``layer`` as :func:`~dynmo_lightning.protocol.call_layer` does, recomputing its activations in backward.
 
@@ -122,13 +148,93 @@ def checkpointed_call(layer: nn.Module, x: Any, on_save: Callable[[Tensor], None
         return (contextlib.nullcontext() if on_save is None else _observe_saves(on_save)), _replay(seen)
 
     args = x if spread else (x,)
+    if _shared[0]:
+        return _checkpoint_once(run, args, contexts)
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
+
+
+class _Frame:
+    """One checkpointed call: its inputs and the states to repeat it, and what its recomputation rebuilt."""
+
+    def __init__(self, run: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.run = run
+        # Detached, with the inputs' requires_grad: the recomputation saves what the forward saved, no more.
+        self.args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, Tensor) else a for a in args)
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        # As torch's checkpoint: the RNG of the CPU and of the inputs' accelerator, and autocast on both.
+        self.kind = next((t.device.type for t in tensors if t.device.type != "cpu"), None)
+        self.cpu_rng = torch.get_rng_state()
+        self.devices, self.device_rng = get_device_states(*tensors) if self.kind else ([], [])
+        self.autocast = [(k, _autocast_of(k)) for k in ("cpu", self.kind) if k is not None]
+        self.saved = 0
+        self.rebuilt: list[Tensor] | None = None
+
+    def rebuild(self, recompute_context: contextlib.AbstractContextManager) -> list[Tensor]:
+        if self.rebuilt is not None:
+            return self.rebuilt
+        rebuilt: list[Tensor] = []
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=self.devices, device_type=self.kind or "cuda"))
+            torch.set_rng_state(self.cpu_rng)
+            if self.devices:
+                set_device_states(self.devices, self.device_rng, device_type=self.kind)
+            stack.enter_context(torch.enable_grad())
+            for kind, kwargs in self.autocast:
+                stack.enter_context(torch.autocast(kind, **kwargs))
+            stack.enter_context(recompute_context)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: rebuilt.append(t.detach()), _no))
+            self.run(*self.args)
+        if len(rebuilt) != self.saved:
+            raise RuntimeError(
+                f"a checkpointed layer saved {len(rebuilt)} tensors when recomputed for backward but {self.saved} in "
+                "its forward: its forward must repeat exactly (no host-side decisions that change between them)"
+            )
+        self.rebuilt, self.run, self.args = rebuilt, None, ()  # type: ignore[assignment]
+        return rebuilt
+
+
+def _autocast_of(kind: str) -> dict[str, Any]:
+    return {
+        "enabled": torch.is_autocast_enabled(kind),
+        "dtype": torch.get_autocast_dtype(kind),
+        "cache_enabled": torch.is_autocast_cache_enabled(),
+    }
+
+
+def _no(_: Any) -> Tensor:
+    raise RuntimeError("the graph of a recomputation is only read for its saved tensors")
+
+
+def _checkpoint_once(
+    run: Callable[..., Any],
+    args: tuple[Any, ...],
+    contexts: Callable[[], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]],
+) -> Any:
+    """Non-reentrant checkpointing whose recomputation serves every backward pass over the graph.
+
+    The forward saves an index per tensor it would keep; the first unpack recomputes the call and keeps every tensor
+    it saves, which the indices then read, in every pass. The frame lives as long as the graph's saved tensors (the
+    hooks hold it), so what was rebuilt is freed with the graph.
+    """
+    frame = _Frame(run, args)
+    forward_context, recompute_context = contexts()
+
+    def pack(t: Tensor) -> int:
+        frame.saved += 1
+        return frame.saved - 1
+
+    def unpack(i: int) -> Tensor:
+        return frame.rebuild(recompute_context)[i]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), forward_context:
+        return run(*args)
 
 
 @contextlib.contextmanager
 def _replay(memo: dict[str, Any] | None) -> Iterator[None]:
     """Around a recomputation: the stage memo the layer's forward saw, and no statistics counted a second time."""
     with probing():
+        _count[0] += 1
         if memo is None:
             yield
             return

@@ -73,6 +73,7 @@ from dynmo_lightning.data import VOCAB_SIZE, StdlibCharDataModule
 from dynmo_lightning.launch import clean_env, fresh_world, run_ranks
 from dynmo_lightning.models import GPT
 from dynmo_lightning.models.blocks import Block
+from dynmo_lightning.pipeline.compiled import graphs
 from dynmo_lightning.pipeline.migration import add_to_optimizers, pack_layers, unpack_layers
 from dynmo_lightning.profiling import DeviceClock
 
@@ -584,6 +585,31 @@ def activation_checkpointing(check: Check) -> dict[str, Any]:
             "max_rel_diff_vs_without": worst, "tolerance": tol, "losses": losses.values}  # fmt: skip
 
 
+class GraphsPerStep(L.Callback):
+    """Graphs ``torch.compile`` compiled in this process during each training step."""
+
+    def __init__(self) -> None:
+        self.per_step: list[int] = []
+        self._seen = graphs()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, b: Any, i: int) -> None:
+        self.per_step.append(graphs() - self._seen)
+        self._seen += self.per_step[-1]
+
+
+def compiled(check: Check) -> dict[str, Any]:
+    """P = 1, bf16-mixed, every layer compiled (``strategy.compile``): the eager bf16 losses, no recompiles later."""
+    model, losses, counted = gpt(GPT_SIZES[check.quick]), Losses(), GraphsPerStep()
+    fit(check, model, corpus(model.hparams.block_size), precision="bf16-mixed", callbacks=[losses, counted],
+        deterministic=False, strategy={"compile": True})  # fmt: skip
+    eager = counted_run(check, "none").losses
+    worst, tol = rel_diff(losses.values, eager), TOLERANCES["bf16"]
+    later = counted.per_step[2:]  # steps 0 and 1 build the stages, probe shapes and compile
+    return {"ok": finite(losses.values) and worst <= tol and sum(counted.per_step) > 0 and not any(later),
+            "max_rel_diff_vs_eager": worst, "tolerance": tol, "graphs_per_step": counted.per_step,
+            "losses": losses.values, "eager_losses": eager}  # fmt: skip
+
+
 def layer_cost_table(check: Check) -> dict[str, Any]:
     """The simulator's layer cost table measured on the device in bf16 (autocast, as bf16-mixed training runs)."""
     shape = LAYER_SHAPES[check.quick]
@@ -680,7 +706,9 @@ def worker(out: Path, device: str, steps: int, quick: bool, kind: str = "pipelin
 # ---------------------------------------------------------------------------------------------------------------------
 # The summary: one section after the other, each one's result or error written as soon as it is known
 # ---------------------------------------------------------------------------------------------------------------------
-def sections(dynamics: list[str], pipeline: bool) -> dict[str, Callable[[Check], dict[str, Any]]]:
+def sections(
+    dynamics: list[str], pipeline: bool, compile_layers: bool = True
+) -> dict[str, Callable[[Check], dict[str, Any]]]:
     """The check's sections in the order they run."""
     chosen: dict[str, Callable[[Check], dict[str, Any]]] = {
         "refuses_16_mixed": refuses_16_mixed, "device_vs_cpu": device_vs_cpu, "bf16_vs_fp32": bf16_vs_fp32,
@@ -689,6 +717,8 @@ def sections(dynamics: list[str], pipeline: bool) -> dict[str, Callable[[Check],
         "activation_checkpointing": activation_checkpointing, "layer_costs": layer_cost_table, "fsdp": fsdp,
         "fsdp_two_gpus": fsdp_two_gpus,
     }  # fmt: skip
+    if compile_layers:
+        chosen["compile"] = compiled
     if pipeline:
         chosen["pipeline_p2"] = pipeline_p2
     return chosen
@@ -767,6 +797,8 @@ def main() -> None:
     parser.add_argument("--dynamics", default=",".join(["none", *PRESETS]))
     parser.add_argument("--sections", help="comma-separated sections to run (default: all)")
     parser.add_argument("--pipeline", action="store_true", help="also P = 2 (default: with two or more GPUs)")
+    parser.add_argument("--compile", action="store_true", help="also compiled layers (default: on GPUs; on CPU they "
+                        "compile for minutes)")  # fmt: skip
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--isolate", action="store_true", help="run every section in a process of its own")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -780,14 +812,16 @@ def main() -> None:
         parser.error(f"--dynamics: unknown {sorted(set(dynamics) - {'none', *PRESETS})}; use none or {list(PRESETS)}")
     check = Check(Device(args.device), args.steps, args.quick)
     pipeline = args.pipeline or (check.device.cuda and torch.cuda.device_count() >= 2)
-    chosen = sections(dynamics, pipeline)
+    compile_layers = args.compile or check.device.cuda or "compile" in (args.sections or "").split(",")
+    chosen = sections(dynamics, pipeline, compile_layers)
     if args.sections:
         unknown = set(args.sections.split(",")) - set(chosen)
         if unknown:
             parser.error(f"--sections: unknown {sorted(unknown)}; choose from {list(chosen)}")
         chosen = {k: v for k, v in chosen.items() if k in args.sections.split(",")}
     options = ["--device", args.device, "--steps", str(args.steps), "--dynamics", args.dynamics,
-               *(["--quick"] if args.quick else []), *(["--pipeline"] if pipeline else [])]  # fmt: skip
+               *(["--quick"] if args.quick else []), *(["--pipeline"] if pipeline else []),
+               *(["--compile"] if compile_layers else [])]  # fmt: skip
     summary = check_all(check, chosen, Path(args.out), options, isolate=args.isolate)
     print(json.dumps({k: v for k, v in summary.items() if k != "sections"}, indent=1))
     sys.exit(0 if summary["ok"] else 1)

@@ -19,7 +19,7 @@ from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
 from dynmo_lightning.pipeline.runtime import PipelineRuntime, StagePlan
 from dynmo_lightning.profiling import LayerProfiler
 from dynmo_lightning.protocol import set_host_value
-from dynmo_lightning.recompute import checkpoint_policy
+from dynmo_lightning.recompute import checkpoint_policy, checkpointed_call
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -290,3 +290,34 @@ def test_profiled_memory_of_a_checkpointed_layer_is_its_input_and_its_recomputat
     assert plain.recompute_bytes == 0 and ckpt.activation_bytes == x.numel() * 4  # only its input is kept
     # what the recomputation rebuilds is what the plain layer keeps besides its input
     assert ckpt.activation_bytes + ckpt.recompute_bytes == plain.activation_bytes
+
+
+def _split_backward_run(checkpointed: bool) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """Three layers with dropout through torch's input and weight passes; the gradients and the recomputations."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from dynmo_lightning.recompute import recomputations, shared_recomputation
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(
+        [nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.3), nn.Linear(16, 8)) for _ in range(3)]
+    )
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(1)
+    before, out = recomputations(), x
+    with shared_recomputation():
+        for layer in layers:
+            out = checkpointed_call(layer, out) if checkpointed else layer(out)
+    grads, groups = stage_backward_input([out], [torch.ones_like(out)], [x], layers.parameters())
+    stage_backward_weight(layers.parameters(), groups)
+    return [p.grad for p in layers.parameters()], grads[0], recomputations() - before
+
+
+def test_a_split_backward_recomputes_each_layer_once_for_both_passes():
+    """Zero-bubble's input pass and weight pass read one recomputation (torch's checkpoint would run one per pass)."""
+    plain, plain_dx, none = _split_backward_run(checkpointed=False)
+    grads, dx, recomputed = _split_backward_run(checkpointed=True)
+    assert (none, recomputed) == (0, 3)
+    torch.testing.assert_close(dx, plain_dx, rtol=0, atol=0)  # the same dropout masks, bit for bit
+    for g, p in zip(grads, plain, strict=True):
+        torch.testing.assert_close(g, p, rtol=0, atol=0)

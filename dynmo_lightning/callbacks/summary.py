@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from dynmo_lightning.pipeline.compiled import graphs
 from dynmo_lightning.protocol import DeviceScalars, pipeline_control
+from dynmo_lightning.recompute import recomputations
 
 
 class RunSummary(Callback):
@@ -28,7 +29,9 @@ class RunSummary(Callback):
     of a consolidation: ranks, hosts, whole nodes freed), ``param_norm`` (float64 L2 norm
     of all final parameters, across pipeline stages), ``compiled_graphs_per_step`` (graphs ``torch.compile``
     compiled on global rank 0 during each step: the first compilations, then recompilations), ``layers_changed``
-    (the steps that began after a dynamic changed layers: where a recompilation is expected).
+    (the steps that began after a dynamic changed layers: where a recompilation is expected),
+    ``recomputations_per_step`` (forwards global rank 0 recomputed for backward in each step under activation
+    checkpointing: one per checkpointed layer and micro-batch, under the zero-bubble schedules too).
 
     Args:
         run_dir: directory of the run.
@@ -53,6 +56,8 @@ class RunSummary(Callback):
         self.world_sizes = [_world(trainer)]
         self._t0 = time.perf_counter()
         self._graphs = graphs()
+        self._recomputed = recomputations()
+        self.recomputed: list[int] = []
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
@@ -71,6 +76,8 @@ class RunSummary(Callback):
         self.tokens += int(inputs.numel()) * int(replicas)
         self.compiled.append(graphs() - self._graphs)
         self._graphs += self.compiled[-1]
+        self.recomputed.append(recomputations() - self._recomputed)
+        self._recomputed += self.recomputed[-1]
         now = _world(trainer)
         if self.world_sizes and {**self.world_sizes[-1], "step": now["step"]} != now:
             self.world_sizes.append(now)
@@ -119,6 +126,7 @@ class RunSummary(Callback):
             "param_norm": norm,
             "compiled_graphs_per_step": self.compiled,
             "layers_changed": self.changed,
+            "recomputations_per_step": self.recomputed,
         }
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:

@@ -79,8 +79,10 @@ def check_split_backward(
 ) -> None:
     """Refuse what a zero-bubble schedule (backward split into its input and weight parts) cannot run exactly.
 
+    Activation checkpointing runs (its layers recompute once for both passes: :mod:`dynmo_lightning.recompute`).
+
     Raises:
-        ValueError: DDP replicas or activation checkpointing with such a schedule.
+        ValueError: DDP replicas with such a schedule.
     """
     if data_parallel_size > 1 and data_parallel == "ddp":
         # torch's weight pass assigns `.grad` itself, past the gradient hooks DDP's reducer averages in; the
@@ -89,13 +91,6 @@ def check_split_backward(
             f"strategy.schedule={schedule!r} splits every backward into an input and a weight pass, and the "
             "weight pass bypasses DDP's gradient averaging. With replicas set strategy.data_parallel='fsdp' (or "
             "'replicate'), or use schedule='interleaved_1f1b' (or '1f1b') with DDP."
-        )
-    if activation_checkpointing is not None:
-        # Untested: a checkpointed layer would be recomputed in the input pass and needed again in the weight pass.
-        raise ValueError(
-            f"strategy.activation_checkpointing={activation_checkpointing!r} is not supported with "
-            f"strategy.schedule={schedule!r} (its backward runs in two passes); unset activation_checkpointing, or "
-            "use schedule='interleaved_1f1b' (or '1f1b')"
         )
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from dynmo_lightning.profiling import LayerProfiler
 from dynmo_lightning.protocol import call_layer, is_probing, stage_forward
-from dynmo_lightning.recompute import checkpointed_call
+from dynmo_lightning.recompute import checkpointed_call, shared_recomputation
 
 
 class RemoteLayer(nn.Module):
@@ -49,6 +49,8 @@ class StageModule(nn.Module):
         profiler: times the layers while it is active (not during shape probes).
         recompute: global indices of the layers that run under activation checkpointing
             (:mod:`~dynmo_lightning.recompute`): called through it, not wrapped, so the modules stay the model's.
+        split_backward: the schedule runs backward as an input and a weight pass (zero-bubble): a checkpointed
+            layer recomputes once for both (:func:`~dynmo_lightning.recompute.shared_recomputation`).
     """
 
     def __init__(
@@ -57,8 +59,10 @@ class StageModule(nn.Module):
         first_index: int,
         profiler: LayerProfiler | None = None,
         recompute: Collection[int] = frozenset(),
+        split_backward: bool = False,
     ) -> None:
         super().__init__()
+        self.split_backward = split_backward
         self.layers = nn.ModuleList(layers)
         self.first_index = first_index
         self.profiler = profiler
@@ -67,7 +71,7 @@ class StageModule(nn.Module):
     def forward(self, *args: object) -> object:
         """Run the stage's layers on the received activations."""
         x = args if len(args) != 1 else args[0]
-        with stage_forward():
+        with stage_forward(), shared_recomputation(self.split_backward):
             if self.profiler is not None and self.profiler.active and not is_probing():
                 out = self.profiler.run(self.layers, self.first_index, x, self.recompute)
             else:

@@ -252,7 +252,7 @@ class PipelineRuntime:
             layers = [self.slots.get(i) for i in range(start, end)]
             policy = self.recompute
             chosen = [i for i, layer in enumerate(layers, start) if policy is not None and policy(i, layer)]
-            modules.append(StageModule(layers, start, self.profiler, chosen))
+            modules.append(StageModule(layers, start, self.profiler, chosen, self.schedule_name in SPLIT_BACKWARD))
         return modules
 
     # ------------------------------------------------------------------------------------------------------------

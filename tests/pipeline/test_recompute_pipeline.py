@@ -8,6 +8,8 @@ checkpointed layers keep only their inputs, wherever the layers ran.
   the same masks);
 - adaptive sparse attention (a recomputation that counted its coverage again would move the densities);
 - early exit again under interleaved 1F1B (two stages per process);
+- under the zero-bubble schedules (``zbv``, ``interleaved_zb``, ``dualpipev``: backward in an input and a weight
+  pass), exact against one process, each checkpointed layer recomputed once per micro-batch for both passes (counted);
 - and, apart, two data-parallel replicas of a one-stage pipeline with Mixture of Experts: DDP averages gradients
   while backward recomputes, and searches for experts no token reached.
 """
@@ -35,6 +37,8 @@ CASES = {
     # two stages per rank: each stage module recomputes its own layers, with its own memo
     "interleaved": [*EXIT, "strategy.schedule=interleaved_1f1b", "strategy.stages_per_rank=2"],
 }
+#: Zero-bubble, no dynamic: every layer runs with autograd, so every one recomputes once per micro-batch.
+SPLIT = ["zbv", "interleaved_zb", "dualpipev"]
 #: Every second pipeline layer (blocks 0 and 2, the head) with sparse attention, every layer otherwise.
 SETTINGS = {"exit": "all", "freeze": "all", "sparse": "2", "interleaved": "all"}
 
@@ -48,7 +52,11 @@ def runs(tmp_path_factory):
         cases[d / f"{name}-ckpt"] = [*STEPS, *dynamic, *RANDOM, f"strategy.activation_checkpointing={SETTINGS[name]}"]
     moe = ["trainer.max_steps=20", "dynamics=moe", "dynamics.n_experts=4", "dynamics.capacity_factor=1.0", *DP2]
     cases[d / "moe-dp2"], cases[d / "moe-dp2-ckpt"] = moe, [*moe, "strategy.activation_checkpointing=all"]
-    return {path.name: run for path, run in launch(2, cases).items()}
+    for schedule in SPLIT:
+        split = [f"strategy.schedule={schedule}", "strategy.stages_per_rank=2", "strategy.n_microbatches=4"]
+        cases[d / f"{schedule}-ckpt"] = [*STEPS, *RANDOM, *split, "strategy.activation_checkpointing=all"]
+    out = launch(2, cases) | launch(1, {d / "p1": STEPS})
+    return {path.name: run for path, run in out.items()}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -89,6 +97,33 @@ def test_profiled_checkpointed_layers_keep_only_their_inputs(runs, name):
             else:  # the embedding keeps its token ids (not its positions), the head its input (not its norm's output)
                 assert kept_ckpt < kept, where
     assert len(inputs) == 1  # exactly its inputs (hidden states, and exits' active mask), whatever it computed
+
+
+@pytest.mark.parametrize("schedule", SPLIT)
+def test_recomputation_under_a_split_backward_equals_one_process_and_runs_once(runs, schedule):
+    ref, run = runs["p1"], runs[f"{schedule}-ckpt"]
+    summary = run.summary
+    assert len({tuple(p["layers_per_stage"]) for p in summary["partitions"]}) >= 3  # the layers moved
+    assert_close_losses(summary["losses"], ref.summary["losses"])
+    assert_close_params(run.checkpoint["state_dict"], ref.checkpoint["state_dict"])
+    # Rank 0 holds stage 0 and, in the V, the last stage (looped: stage 2); each of its layers recomputes once per
+    # micro-batch, not once per backward pass (the last stage's runs in two).
+    n_micro = 4
+    mine = (0, 2) if schedule == "interleaved_zb" else (0, 3)
+    expected = [n_micro * sum(split[s] for s in mine) for split in _splits_per_step(summary)]
+    assert summary["recomputations_per_step"] == expected
+    assert ref.summary["recomputations_per_step"] == [0] * len(expected)  # no checkpointing there
+
+
+def _splits_per_step(summary: dict) -> list[list[int]]:
+    changes = summary["partitions"]
+    splits, current = [], changes[0]["layers_per_stage"]
+    for step in range(summary["steps"]):
+        for change in changes:
+            if change["step"] == step:
+                current = change["layers_per_stage"]
+        splits.append(current)
+    return splits
 
 
 def _trace(run) -> list[dict]:
