@@ -7,6 +7,7 @@ alternate A B A B in one invocation and machine drift cancels); each Trainer tra
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 from collections.abc import Iterator
@@ -24,6 +25,24 @@ from dynmo_lightning.models import GPT
 def world_size() -> int:
     """Processes of this torchrun job (known before the first Trainer initialises the process group)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def gpt_arguments(parser: argparse.ArgumentParser, *, layers: int, batch_help: str | None = None) -> None:
+    """The options of an A/B benchmark of the reference GPT: steps, warm-up, repeats and the model's size."""
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--measure-from", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help=batch_help)
+
+
+def gpt_config(args: argparse.Namespace, n_head: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The untied GPT and the data of :func:`gpt_arguments`' options, as :func:`fit` takes them."""
+    model = {"n_layer": args.layers, "n_embd": args.hidden, "n_head": n_head, "block_size": args.block,
+             "tie_embeddings": False}  # fmt: skip
+    return model, {"block_size": args.block, "batch_size": args.batch}
 
 
 @contextlib.contextmanager

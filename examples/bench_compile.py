@@ -20,7 +20,7 @@ from importlib.metadata import version
 from typing import Any
 
 import lightning.pytorch as L
-from _bench import fit
+from _bench import fit, gpt_arguments, gpt_config
 
 from dynmo_lightning.bench.real import interval95
 from dynmo_lightning.pipeline.compiled import graphs
@@ -40,18 +40,10 @@ class FirstStep(L.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--measure-from", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--block", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
+    gpt_arguments(parser, layers=12)
     parser.add_argument("--out", default="docs/bench/compile.json")
     args = parser.parse_args()
-    model = {"n_layer": args.layers, "n_embd": args.hidden, "n_head": 8, "block_size": args.block,
-             "tie_embeddings": False}  # fmt: skip
-    data = {"block_size": args.block, "batch_size": args.batch}
+    model, data = gpt_config(args, n_head=8)
     rates: dict[str, list[float]] = {"eager": [], "compiled": []}
     first: dict[str, list[float]] = {"eager": [], "compiled": []}
     losses: dict[str, list[float]] = {}

@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.distributed as dist
-from _bench import fit
+from _bench import fit, gpt_arguments, gpt_config
 
 from dynmo_lightning.bench.real import interval95
 from dynmo_lightning.protocol import local_part
@@ -53,18 +53,10 @@ class Held(L.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--measure-from", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--block", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8, help="per replica")
+    gpt_arguments(parser, layers=6, batch_help="per replica")
     parser.add_argument("--out", default="docs/bench/data_parallel.json")
     args = parser.parse_args()
-    model = {"n_layer": args.layers, "n_embd": args.hidden, "n_head": 4, "block_size": args.block,
-             "tie_embeddings": False}  # fmt: skip
-    data = {"block_size": args.block, "batch_size": args.batch}
+    model, data = gpt_config(args, n_head=4)
     rates: dict[str, list[float]] = {m: [] for m in MODES}
     held: dict[str, list[dict[str, int]]] = {}
     losses: dict[str, list[float]] = {}
