@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test lint bench clean
+.PHONY: setup train test test-slow test-all lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +23,20 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check dynmo_lightning tests examples
 
 # Two pytest workers (one per core of a small CI machine); a test file stays on one worker, so the processes a module
-# launches once for all its tests are launched once. JOBS=0 runs in one process.
+# launches once for all its tests are launched once. JOBS=0 runs in one process. The slowest tests are listed.
 JOBS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n $(JOBS) --dist loadfile --durations=10
 
+# The fast lane, after every change: ruff and every test but the multi-process end-to-end runs.
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n $(JOBS) --dist loadfile $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
+
+# The slow lane: the multi-process end-to-end runs (marked `slow`).
+test-slow: $(STAMP)
+	$(PYTEST) -m slow $(ARGS)
+
+# Everything, as CI runs it: the fast lane, then the slow one.
+test-all: test test-slow
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

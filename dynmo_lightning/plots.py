@@ -20,6 +20,8 @@ from matplotlib.figure import Figure
 DPI = 120
 #: Multiplication sign of speed-ups (escaped: ruff flags the literal as confusable with "x").
 TIMES = "\u00d7"
+#: En dash of ranges such as "98-99 %" (escaped for the same reason).
+DASH = "\u2013"
 #: Beyond this many stages a legend would cover the plot: stages are coloured along a colour map instead.
 MANY_STAGES = 16
 

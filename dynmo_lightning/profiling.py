@@ -35,7 +35,9 @@ it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import gc
 import time
 import weakref
@@ -47,7 +49,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from dynmo_lightning.protocol import as_tuple, call_layer, local_part
+from dynmo_lightning.core.layer_calls import as_tuple, call_layer
+from dynmo_lightning.core.parts import local_part
 from dynmo_lightning.recompute import checkpointed_call
 
 
@@ -331,15 +334,38 @@ class LayerProfiler:
 
 
 def release_cached_memory(device: torch.device) -> None:
-    """Return the free blocks CUDA's caching allocator keeps for ``device`` to the device (nothing elsewhere).
+    """Return free memory to the system: CUDA's cached blocks for ``device``, and the host heap's free pages.
 
     Called once layers are dropped (the ones a migration sent away, a released process's); a collection first frees
-    what only a reference cycle still held.
+    what only a reference cycle still held. On every device the host's allocator is trimmed too
+    (:func:`release_host_memory`): a migration pickles and receives its layers through host memory.
     """
     if device.type == "cuda":
         gc.collect()
         with torch.cuda.device(device):
             torch.cuda.empty_cache()
+    release_host_memory()
+
+
+def release_host_memory() -> None:
+    """Give the free pages of the host's heap back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    glibc keeps what a process freed in its heaps and arenas for reuse; after the large, short-lived buffers of a
+    migration or a checkpoint (pickles, received tensors, write buffers) a long job's resident memory then creeps up
+    although nothing leaks (``examples/soak.py``, ``docs/bench/soak.json``).
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """The C library's ``malloc_trim`` (glibc), or ``None`` where it has none (macOS, musl)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def device_memory(device: torch.device) -> int | None:

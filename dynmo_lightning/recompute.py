@@ -45,7 +45,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
-from dynmo_lightning.protocol import call_layer, probing, runs_without_autograd, stage_forward, stage_memo
+from dynmo_lightning.core.context import probing, stage_forward, stage_memo
+from dynmo_lightning.core.layer_calls import call_layer, runs_without_autograd
 
 #: Which layers a stage recomputes: ``(global layer index, layer) -> bool``.
 Policy = Callable[[int, nn.Module], bool]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities import distributed as fabric_dist
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
@@ -37,6 +37,7 @@ from typing_extensions import Self, override
 
 from dynmo_lightning import balance, callbacks
 from dynmo_lightning.balance.diffusion import DiffusionStage
+from dynmo_lightning.core.model import split_batch
 from dynmo_lightning.pipeline import checkpoint as ckpt
 from dynmo_lightning.pipeline import groups, launcher, release, sharded
 from dynmo_lightning.pipeline.evaluation import PipelineEvaluation
@@ -48,10 +49,10 @@ from dynmo_lightning.pipeline.reduce import GlobalNormClipping, replicas_in_sync
 from dynmo_lightning.pipeline.resize import ResizeInternals, Resizer
 from dynmo_lightning.pipeline.runtime import StagePlan, first_dim
 from dynmo_lightning.pipeline.settings import PLUGINS, StrategyArguments, StrategySettings
-from dynmo_lightning.pipeline.sharding import FSDP_MODES, StageSharding, full_tensors
+from dynmo_lightning.pipeline.sharding import FSDP_MODES, StageSharding
 from dynmo_lightning.pipeline.stages import LocalStages
-from dynmo_lightning.profiling import DeviceClock
-from dynmo_lightning.protocol import split_batch
+from dynmo_lightning.pipeline.tensor_parallel import TensorParallel
+from dynmo_lightning.profiling import DeviceClock, release_host_memory
 from dynmo_lightning.recompute import checkpoint_policy
 from dynmo_lightning.settings import build, configured_by, from_settings
 
@@ -85,6 +86,7 @@ class DynMoStrategy(ParallelStrategy):
         self.activation_checkpointing = s.activation_checkpointing
         self.n_microbatches, self.schedule, self.stages_per_rank = s.n_microbatches, s.schedule, s.stages_per_rank
         self.partition, self.data_parallel_size, self.data_parallel = s.partition, s.data_parallel_size, s.data_parallel
+        self.tensor_parallel_size = s.tensor_parallel_size
         self._timeout, self.heartbeat_timeout = s.timeout_delta, float(s.heartbeat_timeout)
         self.checkpoint_format = s.checkpoint_format
         self.process_group_backend = s.process_group_backend  # resolved per device at start-up
@@ -171,13 +173,13 @@ class DynMoStrategy(ParallelStrategy):
     # --- the job's layout (pipeline/layout.py) -----------------------------------------------------------------------
     @property
     def device_mesh(self) -> Any:
-        """The ``("dp", "pp")`` ``DeviceMesh`` of the job."""
+        """The ``("dp", "pp")`` ``DeviceMesh`` of the job (``("dp", "pp", "tp")`` under tensor parallelism)."""
         return self._mesh.device_mesh if self._mesh else None
 
     @property
     def pp_size(self) -> int:
         """Number of processes in the pipeline."""
-        return self._layout.pp_size if self._layout else self.world_size // self.data_parallel_size
+        return self._layout.pp_size if self._layout else self.world_size // self._holders
 
     @property
     def pp_rank(self) -> int:
@@ -193,6 +195,11 @@ class DynMoStrategy(ParallelStrategy):
     def dp_rank(self) -> int:
         """Index of this process's replica."""
         return self._layout.dp_rank(self.global_rank) if self._layout else self.global_rank // self.pp_size
+
+    @property
+    def _holders(self) -> int:
+        """Processes holding each stage: its replicas times its tensor-parallel processes."""
+        return (self._layout.dp_size if self._layout else self.data_parallel_size) * self.tensor_parallel_size
 
     @property
     def host_group(self) -> Any:
@@ -216,7 +223,7 @@ class DynMoStrategy(ParallelStrategy):
 
     def _tie_layout(self) -> tuple[ReplicaLayout, int]:
         assert self._layout is not None
-        return self._layout, self.dp_rank
+        return self._layout, self._layout.row(self.global_rank)
 
     def _use_layout(self, layout: ReplicaLayout) -> None:
         """Adopt ``layout`` in the current world (collective; refuses a backend that cannot move this device's data)."""
@@ -234,7 +241,7 @@ class DynMoStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        launcher.check_world(self.world_size, self.data_parallel_size)
+        launcher.check_world(self.world_size, self.data_parallel_size, self.tensor_parallel_size)
         device = self.root_device
         backend = self.process_group_backend or fabric_dist._get_default_process_group_backend_for_device(device)
         self.process_group_backend = backend
@@ -273,12 +280,13 @@ class DynMoStrategy(ParallelStrategy):
             self._shard_data = connector.use_distributed_sampler
         connector.use_distributed_sampler = self._shard_data and trainer.state.fn == TrainerFn.PREDICTING
         if self._stages is None:
+            tp = TensorParallel(module, lambda: self._mesh.tp_mesh) if self.tensor_parallel_size > 1 else None
             self._stages = LocalStages.from_module(
                 module, self.partition, self._pipe, self._tie_layout, stages_per_rank=self.stages_per_rank,
                 schedule=self.schedule, n_microbatches=self.n_microbatches, device=self.root_device,
                 timeout=self._timeout, recompute=checkpoint_policy(self.activation_checkpointing),
                 sharding=StageSharding.of(self.data_parallel, lambda: self._mesh.replica_mesh, self.root_device,
-                                          self.precision_plugin.inner),
+                                          self.precision_plugin.inner, tp),
                 compile_options=self.settings.compile,
             )  # fmt: skip
             self.partitions = [{"step": 0, "layers_per_stage": self.layers_per_stage}]
@@ -293,7 +301,7 @@ class DynMoStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         order = self._stages.split.param_order
         self.precision_plugin.clip_by_norm = GlobalNormClipping(
-            order, self._stages.param_names, lambda: self._pipe, sharded=self.data_parallel == "fsdp"
+            order, self._stages.param_names, lambda: self._pipe, sharded=self._in_parts, holders=self._holders
         )
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -411,17 +419,27 @@ class DynMoStrategy(ParallelStrategy):
     def param_norm(self) -> float:
         """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once."""
         assert self._stages is not None
-        return self._stages.param_norm(self._shard_group())
+        return self._stages.param_norm(self._part_groups(), self._holders)
 
     def shard_sum(self, values: Tensor) -> Tensor:
-        """``values`` summed over the replicas under ``data_parallel="fsdp"`` (each holds a shard of the layers)."""
-        if (group := self._shard_group()) is not None:
+        """``values`` summed over the processes holding other parts of this stage's layers (collective over them).
+
+        FSDP2's replicas and the tensor-parallel group; each process weighs its parts by ``reduce.held_share``.
+        """
+        for group in self._part_groups():
             dist.all_reduce(values := values.clone(), op=dist.ReduceOp.SUM, group=group)
         return values
 
-    def _shard_group(self) -> dist.ProcessGroup | None:
-        """The replicas' group when they hold shards of the same layers (``None``: every process holds whole ones)."""
-        return self._mesh.dp_group if self._mesh is not None and self.data_parallel == "fsdp" else None
+    def _part_groups(self) -> list[dist.ProcessGroup]:
+        """The groups over which this stage's layers are held in parts (none: every process holds them whole)."""
+        mesh = self._mesh
+        found = [mesh.dp_group] if mesh is not None and self.data_parallel == "fsdp" and mesh.dp_group else []
+        return found + ([mesh.tp_group] if mesh is not None and mesh.tp_group is not None else [])
+
+    @property
+    def _in_parts(self) -> bool:
+        """Whether processes hold parts of their layers (FSDP2 shards, tensor-parallel splits)."""
+        return self.data_parallel == "fsdp" or self.tensor_parallel_size > 1
 
     def tie_layers(self, param: Tensor) -> set[int]:
         """Indices of all pipeline layers sharing ``param`` (a local parameter) in the unsplit model; empty if none."""
@@ -435,7 +453,8 @@ class DynMoStrategy(ParallelStrategy):
     def profile_results(self) -> dict[int, dict[str, float]] | None:
         """Every layer's measured costs of the step just profiled (collective), or ``None`` if it was not profiled."""
         assert self._stages is not None and self._mesh is not None
-        replicas = (self._mesh.dp_control, self.dp_size) if self._mesh.dp_group is not None else None
+        rows, mesh = len(self._mesh.layout.replicas), self._mesh  # every pipeline plans from the same numbers
+        replicas = (mesh.stage_control or mesh.dp_control, rows) if rows > 1 else None
         return self._stages.profile_results(self.optimizers[0] if self.optimizers else None, replicas)
 
     def on_layers_changed(self, layers: list[int] | None = None) -> None:
@@ -528,24 +547,15 @@ class DynMoStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        split = self.data_parallel == "fsdp"  # every replica holds shards: all of them write
-        if (self.dp_rank != 0 and not split) or self._layout is None:
-            return  # replicas are identical: the first one writes
+        if self._layout is None:
+            return
         checkpoint["dynmo"] = ckpt.record_layout(self.partitions, self.world_size, self._layout)
-        auto = self.pp_size > 1 or split
-        shard = self.checkpoint_format == "sharded" or (self.checkpoint_format == "auto" and auto)
         with self._phase(f"checkpoint save ({os.fspath(filepath)})"):
-            if shard and "://" not in os.fspath(filepath):  # DCP's writer is a file system's (remote: one file)
-                writers = (self._mesh.control, self._layout.global_rank(0, 0), self.dp_rank == 0) if split else None
-                return sharded.save_sharded(checkpoint, filepath, self._pipe, shards=writers)
-            if self.data_parallel in FSDP_MODES:  # one file: whole tensors (gathered over the replicas under fsdp)
-                checkpoint["state_dict"] = full_tensors(checkpoint.get("state_dict", {}))
-                checkpoint["optimizer_states"] = full_tensors(checkpoint.get("optimizer_states"))
-            if self.dp_rank != 0:
-                return
-            merged = ckpt.gather_checkpoint(checkpoint, self._pipe)
+            merged = sharded.save(checkpoint, filepath, self._mesh, self.checkpoint_format, self._in_parts,
+                                  self.data_parallel in FSDP_MODES or self.tensor_parallel_size > 1)  # fmt: skip
         if merged is not None and self.is_global_zero:
             self.checkpoint_io.save_checkpoint(merged, filepath, storage_options=storage_options)
+        release_host_memory()  # the write's buffers: back to the system, not kept in the heap
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -561,26 +571,14 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None and self._stages is not None
-        keys = self._stages.split.state_keys
-        if sharded.SHARDS_KEY in checkpoint:
-            group = self._mesh.control if self._mesh is not None else None
-            shards = checkpoint[sharded.SHARDS_KEY]
-            return sharded.load_stage_model(self.lightning_module, shards, keys, strict, group)
-        ckpt.load_local_state(self.lightning_module, checkpoint["state_dict"], keys, strict)
+        group = self._mesh.control if self._mesh is not None else None
+        sharded.load_model(self.lightning_module, checkpoint, self._stages.split.state_keys, strict, group)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self._stages is not None
-        names = self._stages.param_names()
-        shards = checkpoint.get(sharded.SHARDS_KEY)
         group = self._mesh.control if self._mesh is not None else None
-        for i, (optimizer, saved) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"], strict=True)):
-            if shards is not None:
-                optimizer.load_state_dict(sharded.load_stage_optimizer(optimizer, i, saved, shards, names, group))
-            else:
-                optimizer.load_state_dict(ckpt.local_optimizer_state(saved, optimizer, names))
-            _optimizer_to_device(optimizer, self.root_device)
-            ckpt.shard_optimizer_state(optimizer)
+        sharded.load_optimizers(self.optimizers, checkpoint, self._stages.param_names(), group, self.root_device)
 
     @override
     def teardown(self) -> None:

@@ -1,7 +1,7 @@
 """Activation memory per pipeline stage with and without activation checkpointing (CPU, 2 processes).
 
 Run (about 5 minutes on 2 cores; launches its own CPU ranks with ``dynmo_lightning.launch``):
-    python examples/bench_activation_checkpointing.py --out docs/activation_checkpointing.json
+    python examples/bench_activation_checkpointing.py --out docs/bench/activation_checkpointing.json
 
 The reference GPT at a size where activations dominate (8 blocks of width 128, sequences of 1,024 tokens, a batch of
 8 in 4 micro-batches, 1F1B), trained a few steps under ``DynMoStrategy`` at P = 2 with

@@ -2,7 +2,7 @@
 planning time. Policies alternate (A B A B) in one invocation so machine drift cancels; ratios are reported.
 
 Run (2 pipeline ranks):
-    torchrun --standalone --nproc_per_node=2 examples/bench_balance.py --out bench_balance.json
+    torchrun --standalone --nproc_per_node=2 examples/bench_balance.py --out docs/bench/bench_balance.json
 
 The model is a GPT whose blocks have very different MLP widths (16x ... 1x the hidden size), the situation dynamic
 techniques create; a uniform split is unbalanced and the balancer should move the boundary.

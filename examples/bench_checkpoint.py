@@ -1,7 +1,7 @@
 """Checkpoint save and load: sharded (every stage writes its own layers) against one file gathered on rank 0.
 
 Run (4 pipeline ranks; a GPT of ~100M parameters, ~1.2 GB with Adam's state):
-    torchrun --standalone --nproc_per_node=4 examples/bench_checkpoint.py --out docs/bench_checkpoint.json
+    torchrun --standalone --nproc_per_node=4 examples/bench_checkpoint.py --out docs/bench/bench_checkpoint.json
 
 After one training step (so that the optimizer has state), the same trainer saves alternately in each format
 (``--repeats`` times each, A B A B) and loads each once; per rank it records the wall time and the peak resident

@@ -11,7 +11,7 @@ the planner's measured time: the all-gather as recursive doubling (``log2 P`` la
 :func:`~dynmo_lightning.balance.sweep.sweep_split`).
 
 Run:
-    python examples/bench_diffusion.py --out docs/bench_diffusion.json
+    python examples/bench_diffusion.py --out docs/bench/bench_diffusion.json
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def table(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("docs/bench_diffusion.json"))
+    parser.add_argument("--out", type=Path, default=Path("docs/bench/bench_diffusion.json"))
     parser.add_argument("--layers", type=int, default=64, help="layers of the real runs")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--stages", type=int, nargs="*", default=[64, 256, 1024], help="simulated stage counts")

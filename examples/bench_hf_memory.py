@@ -1,7 +1,7 @@
 """Peak host memory of ``from_hf`` under DynMoStrategy: every process builds only its own stage's layers.
 
 Run (about 5 minutes and 10 GB of memory here; launches its own CPU ranks with ``dynmo_lightning.launch``):
-    python examples/bench_hf_memory.py --out docs/bench_hf_memory.json
+    python examples/bench_hf_memory.py --out docs/bench/bench_hf_memory.json
 
 A Llama config of ~1B parameters (hidden 2048, 16 layers, intermediate 5632, vocabulary 32000), fp32. Each case runs
 in fresh processes, which report the peak of their resident set (``VmHWM`` of ``/proc/self/status``):

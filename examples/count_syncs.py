@@ -1,6 +1,6 @@
 """Host reads and host-to-device copies per training step, per dynamic: the table of ``docs/host_syncs.md``.
 
-    python examples/count_syncs.py --out docs/host_syncs.json                 # DP = 2 and PP = 2, every dynamic
+    python examples/count_syncs.py --out docs/bench/host_syncs.json                 # DP = 2 and PP = 2, every dynamic
     python examples/count_syncs.py --layouts dp2 --dynamics none,early_exit   # a part
 
 Every case trains the reference GPT (4 blocks, 2 micro-batches per replica, clipping by the global norm on) on two

@@ -653,15 +653,25 @@ def fsdp(check: Check) -> dict[str, Any]:
 
 def fsdp_two_gpus(check: Check) -> dict[str, Any]:
     """P = 1, D = 2 under fsdp in two fresh processes (one GPU each), against fp32 on one device."""
+    return _two_gpus(check, "fsdp")
+
+
+def tensor_parallel_two_gpus(check: Check) -> dict[str, Any]:
+    """P = 1, T = 2 (every layer's heads and MLP split over two processes, one GPU each), against fp32 on one."""
+    return _two_gpus(check, "tp")
+
+
+def _two_gpus(check: Check, kind: str) -> dict[str, Any]:
+    """:func:`worker` of ``kind`` in two fresh processes (one GPU each), against fp32 on one device."""
     if check.device.cuda and torch.cuda.device_count() < 2:
-        return {"ok": True, "skipped": "needs two GPUs: each replica runs on its own (NCCL refuses two ranks on one)"}
+        return {"ok": True, "skipped": "needs two GPUs: each process runs on its own (NCCL refuses two ranks on one)"}
     with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "fsdp2.json"
-        argv = [sys.executable, __file__, "--worker", str(out), "--worker-kind", "fsdp", "--device",
+        out = Path(d) / f"{kind}2.json"
+        argv = [sys.executable, __file__, "--worker", str(out), "--worker-kind", kind, "--device",
                 check.device.name, "--steps", str(check.steps), *(["--quick"] if check.quick else [])]  # fmt: skip
-        codes = run_ranks(2, argv, log_dir=Path(d), tag="fsdp2", timeout=300)
+        codes = run_ranks(2, argv, log_dir=Path(d), tag=f"{kind}2", timeout=300)
         if any(c != 0 for c in codes) or not out.exists():
-            logs = "".join((Path(d) / f"fsdp2.rank{r}.log").read_text()[-2000:] for r in range(2))
+            logs = "".join((Path(d) / f"{kind}2.rank{r}.log").read_text()[-2000:] for r in range(2))
             return {"ok": False, "exit_codes": codes, "log": logs}
         run = json.loads(out.read_text())
     worst, tol = rel_diff(run["losses"], fp32_losses(check, check.device)), _same_math(check.device)
@@ -685,15 +695,19 @@ class Resize(L.Callback):
 
 
 def worker(out: Path, device: str, steps: int, quick: bool, kind: str = "pipeline") -> None:
-    """One rank of :func:`pipeline_p2` (the fp32 run of :func:`fp32_losses` at P = 2, moved and shrunk) or of
-    :func:`fsdp_two_gpus` (``kind="fsdp"``: the same run at P = 1, D = 2 under fsdp, half the batch per replica)."""
+    """One rank of :func:`pipeline_p2` (the fp32 run of :func:`fp32_losses` at P = 2, moved and shrunk), of
+    :func:`fsdp_two_gpus` (``kind="fsdp"``: the same run at P = 1, D = 2 under fsdp, half the batch per replica) or
+    of :func:`tensor_parallel_two_gpus` (``kind="tp"``: at P = 1, T = 2, the whole batch on both)."""
     check = Check(Device(device), steps, quick)
     model, losses = gpt(GPT_SIZES[quick]), Losses()
-    if kind == "fsdp":
-        trainer = fit(check, model, corpus(model.hparams.block_size, batch_size=4), devices=2, callbacks=[losses],
-                      strategy={"data_parallel": "fsdp", "data_parallel_size": 2}, gradient_clip_val=CLIP)  # fmt: skip
+    if kind in ("fsdp", "tp"):
+        fsdp = kind == "fsdp"  # replicas take half the batch each; tensor-parallel processes the same batch
+        strategy = {"data_parallel": "fsdp", "data_parallel_size": 2} if fsdp else {"tensor_parallel_size": 2}
+        trainer = fit(check, model, corpus(model.hparams.block_size, batch_size=4 if fsdp else 8), devices=2,
+                      callbacks=[losses], strategy=strategy, gradient_clip_val=CLIP)  # fmt: skip
         if trainer.global_rank == 0:
-            out.write_text(json.dumps({"losses": losses.values, "replicas": trainer.strategy.dp_size}))
+            out.write_text(json.dumps({"losses": losses.values, "replicas": trainer.strategy.dp_size,
+                                       "tensor_parallel_size": trainer.strategy.tensor_parallel_size}))  # fmt: skip
         return
     trainer = fit(check, model, corpus(model.hparams.block_size), devices=2, callbacks=[losses, Resize(steps)],
                   gradient_clip_val=CLIP)  # fmt: skip
@@ -716,6 +730,7 @@ def sections(
         "profile": profile, "migration": migration, "hf_pruning": hf_pruning, "checkpoint": checkpoint,
         "activation_checkpointing": activation_checkpointing, "layer_costs": layer_cost_table, "fsdp": fsdp,
         "fsdp_two_gpus": fsdp_two_gpus,
+        "tensor_parallel_two_gpus": tensor_parallel_two_gpus,
     }  # fmt: skip
     if compile_layers:
         chosen["compile"] = compiled

@@ -1,6 +1,6 @@
 """Soak test (a script, not a CI test): 2,000 steps with a migration every 10 steps and a dynamic technique active.
 
-Run:  python examples/soak.py --steps 2000 --out soak.json
+Run:  python examples/soak.py --steps 2000 --out docs/bench/soak.json
 
 (The ranks run with ``MALLOC_MMAP_THRESHOLD_=131072`` unless the variable is set; see ``main``.)
 

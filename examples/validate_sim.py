@@ -1,8 +1,8 @@
 """Validate the simulator against the real CPU pipeline: simulated vs measured step times.
 
 Run (once per pipeline size):
-    torchrun --standalone --nproc_per_node=2 examples/validate_sim.py --out validate_sim_p2.json
-    torchrun --standalone --nproc_per_node=4 examples/validate_sim.py --out validate_sim_p4.json
+    torchrun --standalone --nproc_per_node=2 examples/validate_sim.py --out docs/bench/validate_sim_p2.json
+    torchrun --standalone --nproc_per_node=4 examples/validate_sim.py --out docs/bench/validate_sim_p4.json
 
 Every step is profiled (per-layer forward/backward time, gathered from all stages) and its pipeline schedule timed
 (forward and backward of all micro-batches, on rank 0). Each step's measured costs and partition then go through the

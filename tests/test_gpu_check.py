@@ -103,6 +103,8 @@ def test_gpu_check_on_cpu_without_hydra(tmp_path):
     assert s["layer_costs"]["table"]["block"]["trainable"]["fwd"] > 0
     assert s["fsdp"]["dtensor_parameters"] and s["fsdp"]["fp32_shards"]  # FSDP2's bf16 mixed precision, a mesh of one
     assert s["fsdp_two_gpus"]["replicas"] == 2 and s["fsdp_two_gpus"]["max_rel_loss_diff_vs_one_device"] <= 1e-5
+    tp = s["tensor_parallel_two_gpus"]  # every layer's heads and MLP split over two processes: the same math
+    assert tp["tensor_parallel_size"] == 2 and tp["max_rel_loss_diff_vs_one_device"] <= 1e-5
     p2 = s["pipeline_p2"]
     assert [len(p["layers_per_stage"]) for p in p2["partitions"]] == [2, 2, 1] and p2["world_size_end"] == 1
     assert p2["max_rel_loss_diff_vs_p1"] <= 1e-6
@@ -156,7 +158,7 @@ def test_a_synchronisation_is_reported_at_the_line_that_led_to_it(monkeypatch):
     ((site, n),) = sites.steps[0].items()
     # issued at read_once's line (the counter's wrapper skipped), which is also our innermost frame
     assert n == 1 and re.fullmatch(
-        r"dynmo_lightning/protocol.py:(\d+) <- dynmo_lightning/protocol.py:\1 \(read_once\)", site
+        r"dynmo_lightning/core/host_values.py:(\d+) <- dynmo_lightning/core/host_values.py:\1 \(read_once\)", site
     )
     assert warnings._showwarnmsg is shown  # unwrapped after the fit
 

@@ -70,8 +70,6 @@ def test_no_import_circle_in_the_package():
         # The planning core and the simulator are pure: no torch.distributed, no Lightning, no runtime.
         ("dynmo_lightning.balance", ("torch", "lightning", "dynmo_lightning.pipeline", "dynmo_lightning.strategy")),
         ("dynmo_lightning.sim", ("torch", "lightning", "dynmo_lightning.pipeline", "dynmo_lightning.strategy")),
-        # The model protocol is the lowest layer.
-        ("dynmo_lightning.protocol", ("dynmo_lightning.",)),
         # Callbacks talk to the strategy through the PipelineControl protocol, never the class.
         ("dynmo_lightning.callbacks", ("dynmo_lightning.strategy",)),
         # Models know nothing of the pipeline.
@@ -97,6 +95,26 @@ def test_lower_rooms_never_import_higher_ones(room, forbidden):
                 continue
             for target in targets:
                 assert not any(_within(target, f) for f in forbidden), f"{name} imports {target}"
+
+
+def test_the_runtime_never_imports_the_package_top_level_rooms():
+    # pipeline/ is below the entry points (launch, cli, strategy): an arrow up from it is a circle waiting to happen
+    top = {"dynmo_lightning.launch", "dynmo_lightning.cli", "dynmo_lightning.report", "dynmo_lightning.strategy"}
+    for name, targets in _imports().items():
+        if name.startswith("dynmo_lightning.pipeline"):
+            assert not targets & top, (name, targets & top)
+
+
+def test_core_is_the_lowest_layer_and_protocol_only_gathers_it():
+    # core/ (one idea per module) imports nothing of the package but itself; protocol re-exports core for users
+    graph = _imports()
+    for name, targets in graph.items():
+        if name.startswith("dynmo_lightning.core"):
+            assert all(t.startswith("dynmo_lightning.core") for t in targets), (name, targets)
+    assert all(t.startswith("dynmo_lightning.core") for t in graph["dynmo_lightning.protocol"])
+    # inside the package every room imports core itself: protocol is the users' door, not a room's
+    users = sorted(name for name, targets in graph.items() if "dynmo_lightning.protocol" in targets)
+    assert users == [], users
 
 
 def _within(module: str, room: str) -> bool:
@@ -234,3 +252,9 @@ def test_the_pipeline_package_lists_every_room():
     listed = re.findall(r"^\* ``(\w+)`` - ", doc, flags=re.MULTILINE)
     rooms = sorted(p.stem for p in (PACKAGE / "pipeline").glob("*.py") if p.name != "__init__.py")
     assert sorted(listed) == rooms, f"pipeline/__init__.py lists {sorted(listed)}, the rooms are {rooms}: one line each"
+
+
+def test_results_files_live_under_docs_bench():
+    # docs/ holds the prose pages; every results file a page cites lives in docs/bench/
+    stray = sorted(p.name for p in (PACKAGE.parent / "docs").glob("*.json"))
+    assert not stray, f"results files among the pages (move them to docs/bench/): {stray}"

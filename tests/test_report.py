@@ -125,7 +125,7 @@ def test_report_bench(tmp_path):
     assert f"| {cmp['oracle']['speedup']:.2f}\u00d7 |" in row and row.endswith("| 2.23\u00d7 |")
     # Real A/B: the paired ratio with its 95 % interval, the ideal ratio and the reaction lag of 2 steps.
     real = next(r for r in json.loads((d / "real.json").read_text())["rows"] if r["policy"] == "optimal")
-    row = next(line for line in md.splitlines() if line.startswith("| freezing | 105 | 122 |"))
+    row = next(line for line in md.splitlines() if line.startswith("| freezing | 105 | DynMo | 122 |"))
     assert f"**{real['ratio']:.2f}\u00d7** [{real['ratio_low']:.3f}, {real['ratio_high']:.3f}]" in row
     assert "2 steps (0.4 profile intervals; moves after 6 of 6 events)" in row
     # The sweep names where the seed's figure is (or is not) reached.

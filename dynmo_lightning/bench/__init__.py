@@ -14,7 +14,8 @@ already in the run directory, e.g. ``hydra.run.dir=docs/bench``):
    format) and replayed at 8, 16 and 32 stages with every policy and the oracle, with the link and migration
    bandwidth measured here, a migration-bandwidth sweep for clusters and the strength sweeps (:mod:`.scale`):
    ``simulated.json``.
-5. ``report`` - ``benchmarks.md`` and the plots, rebuilt from those files alone (``dynmo-report DIR`` does the same).
+5. ``report`` - ``benchmarks.md`` and the plots, rebuilt from those files alone (``dynmo-report DIR`` does the same),
+   with the README's headline table and each dynamic's cost drift (:mod:`.drift`).
 
 The console script and its Hydra configuration live in :mod:`.main` (``dynmo-bench``, ``python -m
 dynmo_lightning.bench``): the package and its parts import without Hydra, as on a GPU machine that has only torch,
@@ -28,6 +29,17 @@ import gzip
 import json
 from pathlib import Path
 from typing import Any
+
+#: Display names of the dynamics in tables and plots.
+NAMES = {
+    "none": "no dynamic",
+    "freezing": "freezing",
+    "pruning": "pruning",
+    "early_exit": "early exit",
+    "mod": "Mixture of Depths",
+    "moe": "MoE",
+    "sparse_attention": "sparse attention",
+}
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -46,3 +58,8 @@ def read_json(path: Path) -> Any:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             return json.load(f)
     return json.loads(path.read_text())
+
+
+def timeline_path(directory: Path, dynamic: str, strength: float | None) -> Path:
+    """Where a benchmark directory keeps the timeline of ``dynamic`` at ``strength`` (``None``: no dynamic)."""
+    return directory / "timelines" / f"{dynamic}-{strength if strength is not None else 'none'}.json.gz"

@@ -2,8 +2,8 @@
 
 Training a 1B-parameter model is out of reach on a 2-core CPU, but one of its layers is not. This module builds single
 layers from the model's own modules (:mod:`dynmo_lightning.models.blocks` and the dynamic parts) at LLM sizes
-(hidden >= 1024, sequence >= 1024, one micro-batch) and times their forward and their forward+backward with
-``torch.utils.benchmark`` in each state of a dynamic, along one axis at a time:
+(hidden >= 1024, sequence >= 1024, one micro-batch) and times their forward (``torch.utils.benchmark``) and their
+backward (on its own, the graph built untimed before each call) in each state of a dynamic, along one axis at a time:
 
 * ``block`` - a dense block: trainable (forward, backward) and frozen (forward under ``no_grad``, no backward);
 * ``attention`` / ``mlp`` - the two halves of a block (with their layer norm) with a kept fraction of heads / hidden
@@ -21,7 +21,7 @@ layers from the model's own modules (:mod:`dynmo_lightning.models.blocks` and th
 bytes (what autograd saves for backward) are recorded next to every trainable time, and so is ``wgt``, the
 weight-gradient part of the backward (zero-bubble schedules run it as a task of its own): the backward less the
 time of the input gradient alone (``torch.autograd.grad`` with respect to the layer's input only, which skips the
-weight-gradient matmuls).
+weight-gradient matmuls), both timed on their own graphs.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from torch.utils import benchmark
 
 from dynmo_lightning.models.blocks import MLP, Block, CausalSelfAttention, Embedding, Head
 from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention
+from dynmo_lightning.profiling import DeviceClock
 
 #: Fractions measured along every axis (kept heads and neurons, active tokens, capacity, density).
 FRACTIONS = (0.0625, 0.125, 0.25, 0.5, 0.75, 1.0)
@@ -111,6 +112,23 @@ def _timer(fn: Callable[[], Any], min_run_time: float) -> float:
     return benchmark.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
 
 
+def _backward_timer(graph: Callable[[], Tensor], backward: Callable[[Tensor], Any], min_run_time: float) -> float:
+    """Median seconds of ``backward(graph())``, the graph built untimed before every call.
+
+    Timed on its own, a backward is a positive time however busy the machine: the difference of two timed runs
+    (forward and backward, less forward) read 0 for a small layer when the second run was the luckier one.
+    """
+    backward(graph())  # warm-up (allocator, kernels)
+    times: list[float] = []
+    while sum(times) < min_run_time or len(times) < 5:
+        root = graph()
+        clock = DeviceClock(root.device)
+        start = clock.now()
+        backward(root)
+        times.append(clock.elapsed(start, clock.now()))
+    return float(np.median(times))
+
+
 @contextlib.contextmanager
 def _saved_bytes(total: list[int]) -> Iterator[None]:
     """Count the bytes autograd saves for backward (parameters excluded) into ``total[0]``."""
@@ -153,8 +171,8 @@ def time_layer(
         out = forward()
         return (out[0] if isinstance(out, tuple) else out).float().square().mean()
 
-    def both() -> None:
-        loss().backward()
+    def backward(root: Tensor) -> None:
+        root.backward()
         for p in params:
             p.grad = None
 
@@ -162,12 +180,12 @@ def time_layer(
     with _saved_bytes(saved):
         forward()
     fwd = _timer(forward, min_run_time)
-    bwd = max(0.0, _timer(both, min_run_time) - fwd)
+    bwd = _backward_timer(loss, backward, min_run_time)
     cost = {"fwd": fwd, "bwd": bwd, "activation_bytes": float(saved[0])}
     if inputs is not None:
         wanted = list(inputs)
         # the input gradient alone: autograd computes only what leads to ``inputs``, no weight-gradient matmul
-        data = max(0.0, _timer(lambda: torch.autograd.grad(loss(), wanted), min_run_time) - fwd) if wanted else 0.0
+        data = _backward_timer(loss, lambda root: torch.autograd.grad(root, wanted), min_run_time) if wanted else 0.0
         cost["wgt"] = bwd - min(data, bwd)
     return cost
 
@@ -440,6 +458,11 @@ class CostTable:
     def end(self, name: str) -> LayerCost:
         """The embedding (``"embedding"``) or the head with the loss (``"head"``)."""
         return _cost(self.table[name])
+
+
+def table_file(dynamic: str) -> str:
+    """The layer-cost file a dynamic's timelines are priced with: sparse attention's, measured at a longer sequence."""
+    return "layer_costs_long.json" if dynamic == "sparse_attention" else "layer_costs.json"
 
 
 def _cost(entry: dict[str, float]) -> LayerCost:

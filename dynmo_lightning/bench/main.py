@@ -19,7 +19,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from dynmo_lightning.bench import layer_costs, read_json, real, scale, timeline, write_json
+from dynmo_lightning.bench import layer_costs, read_json, real, scale, timeline, timeline_path, write_json
 from dynmo_lightning.bench.scale import SEED
 from dynmo_lightning.launch import clean_env, run_ranks
 from dynmo_lightning.sim import save_trace
@@ -29,6 +29,8 @@ _CONF = Path(__file__).resolve().parent.parent / "conf" / "bench"
 
 DYNAMICS = ("freezing", "pruning", "early_exit", "mod", "moe", "sparse_attention")
 PARTS = ("layer_costs", "timelines", "real", "scale", "report")
+#: The scale part's replays, each one key of a dynamic's entry in ``simulated.json`` (``scale.replays``).
+REPLAYS = ("by_stages", "zero_bubble", "bandwidth_sweep", "strength_sweep")
 
 
 class Progress:
@@ -70,10 +72,6 @@ def measure_layers(cfg: DictConfig, out: Path) -> None:
         write_json(out / name, table)
 
 
-def _timeline_path(out: Path, dynamic: str, strength: float | None) -> Path:
-    return out / "timelines" / f"{dynamic}-{strength if strength is not None else 'none'}.json.gz"
-
-
 def _timeline_runs(cfg: DictConfig) -> list[tuple[str, float | None]]:
     """The runs part 2 records and part 4 replays: no dynamic, and every dynamic at every strength of its sweep."""
     return [("none", None)] + [(d, s) for d in cfg.dynamics for s in timeline.PRESETS[d].sweep]
@@ -81,13 +79,13 @@ def _timeline_runs(cfg: DictConfig) -> list[tuple[str, float | None]]:
 
 def record_timelines(cfg: DictConfig, out: Path) -> None:
     """Part 2: every dynamic at every strength of its sweep, and the run without dynamics (separate processes)."""
-    jobs = [(d, s) for d, s in _timeline_runs(cfg) if not (cfg.resume and _timeline_path(out, d, s).exists())]
+    jobs = [(d, s) for d, s in _timeline_runs(cfg) if not (cfg.resume and timeline_path(out, d, s).exists())]
     progress = Progress(len(jobs), "timeline")
     config = json.dumps(OmegaConf.to_container(cfg.timeline.model))
 
     def one(job: tuple[str, float | None]) -> None:
         dynamic, strength = job
-        path = _timeline_path(out, dynamic, strength)
+        path = timeline_path(out, dynamic, strength)
         cmd = [sys.executable, "-m", "dynmo_lightning.bench", "timeline", dynamic, str(strength), str(path), config]
         log = out / "logs" / f"timeline-{dynamic}-{strength}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -105,38 +103,69 @@ def real_runs(cfg: DictConfig, out: Path) -> None:
     """Part 3: the A/B runs on ``real.world_size`` ranks, policies alternating within every repeat.
 
     Results go to ``real.json`` and ``real/`` under 1F1B, to ``real_<schedule>.json`` and ``real_<schedule>/`` under
-    another schedule, so that the A/B of each schedule sits beside the others in one directory.
+    another schedule, so that the A/B of each schedule sits beside the others in one directory. ``real.also`` adds a
+    second arm (another schedule, its own dynamics and policies) run in the same processes and alternated with the
+    first within every repeat; its file also holds its DynMo over the first arm's, paired repeat by repeat.
     """
     r = cfg.real
-    stem = real_stem(r.get("schedule", "1f1b"))
-    cases = []
-    for repeat in range(r.repeats):
-        for dynamic in r.dynamics:
-            for policy in r.policies:
-                name = f"{dynamic}-{policy}-{repeat}"
-                cases.append(
-                    {
-                        "name": name, "dynamic": dynamic, "policy": policy, "repeat": repeat, "steps": r.steps,
-                        "measure_from": r.measure_from, "microbatches": r.microbatches, "world_size": r.world_size,
-                        "accelerator": r.accelerator, "model": OmegaConf.to_container(r.model),
-                        "schedule": r.get("schedule", "1f1b"), "stages_per_rank": r.get("stages_per_rank", 1),
-                        "data": OmegaConf.to_container(r.data), "balancer": OmegaConf.to_container(r.balancer),
-                        "result": str(out / stem / f"{name}.json"),
-                    }
-                )  # fmt: skip
+    arms = [_arm(r, r)] + ([_arm(r, r.also)] if r.get("also") else [])
+    cases = [case for repeat in range(r.repeats) for arm in arms for case in _arm_cases(cfg, out, arm, repeat)]
     todo = [c for c in cases if not (cfg.resume and Path(c["result"]).exists())]
-    link = out / stem / "link.json"
+    first = arms[0]["stem"]
+    link = out / first / "link.json"
     if todo:
-        (out / stem).mkdir(parents=True, exist_ok=True)
+        for arm in arms:
+            (out / arm["stem"]).mkdir(parents=True, exist_ok=True)
         act = r.data.batch_size // r.microbatches * r.data.block_size * r.model.n_embd * 4
         job = {"bytes": act, "result": str(link)} if not link.exists() else None
-        _launch(r.world_size, todo, out, r.timeout, job, stem)
-    results = {c["name"]: read_json(Path(c["result"])) for c in cases}
-    summary = {"config": OmegaConf.to_container(r), "link": read_json(link), "cases": cases}
-    summary["rows"] = real.summarize(cases, results, summary["link"])
-    speeds = [v["migration_bytes_per_s"] for v in results.values() if "migration_bytes_per_s" in v]
-    summary["migration_bytes_per_s"] = speeds
-    write_json(out / f"{stem}.json", summary)
+        _launch(r.world_size, todo, out, r.timeout, job, first)
+    results = {c["result"]: read_json(Path(c["result"])) for c in cases}
+    summaries = []
+    for arm in arms:
+        mine = [c for c in cases if c["stem"] == arm["stem"]]
+        config = {**OmegaConf.to_container(r), **{k: arm[k] for k in ("schedule", "stages_per_rank", "dynamics",
+                                                                     "policies")}}  # fmt: skip
+        config.pop("also", None)
+        summary = {"config": config, "link": read_json(link), "cases": mine}
+        summary["rows"] = real.summarize(mine, {c["name"]: results[c["result"]] for c in mine}, summary["link"])
+        speeds = [results[c["result"]]["migration_bytes_per_s"] for c in mine if "migration_bytes_per_s" in
+                  results[c["result"]]]  # fmt: skip
+        summary["migration_bytes_per_s"] = speeds
+        if summaries:  # the second arm against the first, in the same processes, repeat by repeat
+            summary["same_run"] = {"vs": first, "rows": real.across_arms(cases, results, first, arm["stem"])}
+        summaries.append(summary)
+        write_json(out / f"{arm['stem']}.json", summary)
+
+
+def _arm(r: DictConfig, arm: Any) -> dict[str, Any]:
+    """An arm of the real part: its schedule (and stem), stages per rank, dynamics and policies."""
+    schedule = arm.get("schedule", "1f1b")
+    return {
+        "schedule": schedule,
+        "stages_per_rank": arm.get("stages_per_rank", 1),
+        "stem": real_stem(schedule),
+        "dynamics": list(arm.get("dynamics", r.dynamics)),
+        "policies": list(arm.get("policies", r.policies)),
+    }
+
+
+def _arm_cases(cfg: DictConfig, out: Path, arm: dict[str, Any], repeat: int) -> list[dict[str, Any]]:
+    r = cfg.real
+    cases = []
+    for dynamic in arm["dynamics"]:
+        for policy in arm["policies"]:
+            name = f"{dynamic}-{policy}-{repeat}"
+            cases.append(
+                {
+                    "name": name, "dynamic": dynamic, "policy": policy, "repeat": repeat, "steps": r.steps,
+                    "measure_from": r.measure_from, "microbatches": r.microbatches, "world_size": r.world_size,
+                    "accelerator": r.accelerator, "model": OmegaConf.to_container(r.model),
+                    "schedule": arm["schedule"], "stages_per_rank": arm["stages_per_rank"], "stem": arm["stem"],
+                    "data": OmegaConf.to_container(r.data), "balancer": OmegaConf.to_container(r.balancer),
+                    "result": str(out / arm["stem"] / f"{name}.json"),
+                }
+            )  # fmt: skip
+    return cases
 
 
 def real_stem(schedule: str) -> str:
@@ -168,61 +197,103 @@ def simulate(cfg: DictConfig, out: Path) -> None:
     """Part 4: realistic traces of the presets, replayed at scale; bandwidth and strength sweeps.
 
     Each dynamic is replayed in a process of its own, ``scale.parallel`` at once (the replays are independent).
+    ``scale.replays`` names the replays to run (:data:`REPLAYS`); with fewer than all of them (and ``resume``) the
+    others, the network and the traces stay as the ``simulated.json`` already there has them, byte for byte.
     """
-    net = network(cfg, out)
-    result: dict[str, Any] = {"network": net.__dict__, "stages": list(cfg.scale.stages), "dynamics": {}}
+    replays = list(cfg.scale.get("replays") or REPLAYS)
+    unknown = set(replays) - set(REPLAYS)
+    if unknown:
+        raise ValueError(f"unknown scale.replays {sorted(unknown)}; valid: {list(REPLAYS)}")
+    kept = None
+    if set(replays) != set(REPLAYS):
+        if not (cfg.resume and (out / "simulated.json").exists()):
+            raise ValueError(
+                f"scale.replays={replays} re-simulates part of simulated.json: it needs resume=true and the file "
+                f"in hydra.run.dir ({out})"
+            )
+        kept = read_json(out / "simulated.json")
+    net = scale.Network(**kept["network"]) if kept else network(cfg, out)
+    result: dict[str, Any] = kept or {"network": net.__dict__, "stages": list(cfg.scale.stages), "dynamics": {}}
     dynamics = ["none", *cfg.dynamics]
-    missing = [str(_timeline_path(out, d, s)) for d, s in _timeline_runs(cfg) if not _timeline_path(out, d, s).exists()]
+    missing = [str(timeline_path(out, d, s)) for d, s in _timeline_runs(cfg) if not timeline_path(out, d, s).exists()]
     if missing:  # before minutes of replays, not after
         raise FileNotFoundError(f"the scale part replays timelines that are not there (run part timelines): {missing}")
     progress = Progress(len(dynamics), "scale")
     container = OmegaConf.to_container(cfg, resolve=True)
-    val_none = read_json(_timeline_path(out, "none", None))["val_loss"]
+    val_none = read_json(timeline_path(out, "none", None))["val_loss"]
+    old = result["dynamics"]
     with ProcessPoolExecutor(max(1, int(cfg.scale.get("parallel", 1)))) as pool:
-        futures = {d: pool.submit(_simulate_dynamic, container, str(out), d, net, val_none) for d in dynamics}
+        futures = {
+            d: pool.submit(_simulate_dynamic, container, str(out), d, net, val_none, replays, old.get(d, {}))
+            for d in dynamics
+        }
         for dynamic in dynamics:
-            result["dynamics"][dynamic] = futures[dynamic].result()
+            old[dynamic] = futures[dynamic].result()
             progress.step(dynamic)
     write_json(out / "simulated.json", result)
 
 
 def _simulate_dynamic(
-    container: dict[str, Any], out_dir: str, dynamic: str, net: scale.Network, val_none: float
+    container: dict[str, Any],
+    out_dir: str,
+    dynamic: str,
+    net: scale.Network,
+    val_none: float,
+    replays: list[str],
+    kept: dict[str, Any],
 ) -> dict[str, Any]:
-    """One dynamic's replays: the preset at every stage count, the bandwidth sweep and the strength sweep.
+    """One dynamic's ``replays``, the entries not replayed taken from ``kept``.
 
-    The preset is replayed under 1F1B and, with ``scale.zero_bubble``, under that schedule on the same ranks.
+    The preset at every stage count under 1F1B and, on the same ranks, under every schedule of
+    ``scale.zero_bubble``; the bandwidth sweep; the strength sweep.
     """
     cfg, out = OmegaConf.create(container), Path(out_dir)
     preset = timeline.PRESETS.get(dynamic)
     name = "layer_costs_long.json" if dynamic == "sparse_attention" else "layer_costs.json"
     table = layer_costs.CostTable(read_json(out / name))
     strength = preset.preset if preset else None
-    preset_timeline = read_json(_timeline_path(out, dynamic, strength))
+    preset_timeline = read_json(timeline_path(out, dynamic, strength))
     trace = timeline.realistic_trace(preset_timeline, table)
-    save_trace(trace, out / "traces" / f"{dynamic}.jsonl.gz")
+    trace_path = out / "traces" / f"{dynamic}.jsonl.gz"
+    if "by_stages" in replays or not trace_path.exists():  # a partial replay leaves the committed trace as it is
+        save_trace(trace, trace_path)
     val = preset_timeline["val_loss"]
-    entry: dict[str, Any] = {"strength": strength, "val_loss": val, "val_loss_none": val_none}
+    entry: dict[str, Any] = kept or {"strength": strength, "val_loss": val, "val_loss_none": val_none}
     kw = {"microbatches_per_stage": cfg.scale.microbatches_per_stage, "every_n_steps": cfg.scale.every_n_steps}
-    entry["by_stages"] = {str(p): scale.compare(trace, p, net, **kw) for p in cfg.scale.stages}
     p, two = cfg.scale.sweep_stages, ("uniform", "optimal")
-    zero_bubble = cfg.scale.get("zero_bubble")
-    if zero_bubble:  # the same trace and batch on the same ranks, under a zero-bubble schedule in its V
-        v = {"schedule": zero_bubble, "stages_per_rank": 2}
-        entry["zero_bubble"] = {str(q): scale.compare(trace, q, net, policies=two, **v, **kw) for q in cfg.scale.stages}
-    entry["bandwidth_sweep"] = [
-        {"bytes_per_s": bw, **_headline(scale.compare(trace, p, _with_bandwidth(net, bw), policies=two, **kw))}
-        for bw in cfg.scale.bandwidths
-    ]
-    if preset is not None:
+    if "by_stages" in replays:
+        entry["by_stages"] = {str(q): scale.compare(trace, q, net, **kw) for q in cfg.scale.stages}
+    if "zero_bubble" in replays and zero_bubble_schedules(cfg):
+        # the same trace and batch on the same ranks under each zero-bubble schedule, two stages per rank
+        entry["zero_bubble"] = {
+            schedule: {
+                str(q): scale.compare(trace, q, net, policies=two, schedule=schedule, stages_per_rank=2, **kw)
+                for q in cfg.scale.stages
+            }
+            for schedule in zero_bubble_schedules(cfg)
+        }
+    if "bandwidth_sweep" in replays:
+        entry["bandwidth_sweep"] = [
+            {"bytes_per_s": bw, **_headline(scale.compare(trace, p, _with_bandwidth(net, bw), policies=two, **kw))}
+            for bw in cfg.scale.bandwidths
+        ]
+    if preset is not None and "strength_sweep" in replays:
         entry["strength_sweep"] = []
         for s in preset.sweep:
-            tl = preset_timeline if s == strength else read_json(_timeline_path(out, dynamic, s))
+            tl = preset_timeline if s == strength else read_json(timeline_path(out, dynamic, s))
             sweep_trace = trace if s == strength else timeline.realistic_trace(tl, table)
             cmp = scale.compare(sweep_trace, p, net, policies=two, **kw)
             entry["strength_sweep"].append({"strength": s, "val_loss": tl["val_loss"], **_headline(cmp)})
         entry["seed_reached"] = scale.seed_reached(entry["strength_sweep"], SEED[dynamic])
     return entry
+
+
+def zero_bubble_schedules(cfg: DictConfig) -> list[str]:
+    """The schedules of ``scale.zero_bubble`` (one name or a list; null: none)."""
+    schedules = cfg.scale.get("zero_bubble")
+    if not schedules:
+        return []
+    return [schedules] if isinstance(schedules, str) else list(schedules)
 
 
 def _headline(cmp: dict[str, Any]) -> dict[str, float]:

@@ -29,9 +29,9 @@ from torch.distributed.pipelining._backward import stage_backward, stage_backwar
 from dynmo_lightning.balance.makespan import rank_orders
 from dynmo_lightning.balance.memory import LayerBytes, MemoryModel, additive
 from dynmo_lightning.balance.placement import stage_ranks
+from dynmo_lightning.core.layer_calls import as_tuple
 from dynmo_lightning.pipeline.layers import StageModule
 from dynmo_lightning.profiling import LayerProfiler, static_memory
-from dynmo_lightning.protocol import as_tuple
 
 
 @dataclasses.dataclass

@@ -281,6 +281,10 @@ def summarize(
         uniform = by_key[(dynamic, "uniform")]
         ratios = [runs[r]["tokens_per_s"] / uniform[r]["tokens_per_s"] for r in sorted(runs) if r in uniform]
         mean, low, high = interval95(ratios)
+        # over the split balanced once (profile once, never move): what re-balancing during training adds
+        static = by_key.get((dynamic, "static_time"), {})
+        over = [runs[r]["tokens_per_s"] / static[r]["tokens_per_s"] for r in sorted(runs) if r in static]
+        over_static = dict(zip(("ratio", "ratio_low", "ratio_high"), interval95(over), strict=True)) if over else None
         shape = next(c for c in cases if c["dynamic"] == dynamic and c["policy"] == policy)
         placement = (shape.get("schedule", "1f1b"), shape.get("stages_per_rank", 1))
         ideals = [
@@ -299,6 +303,7 @@ def summarize(
                 "ratio_low": low,
                 "ratio_high": high,
                 "ratios": ratios,
+                "over_static_time": over_static,
                 "ideal_ratio": ideal,
                 "share_of_ideal": mean / ideal if ideal else None,
                 "val_loss": statistics.fmean(run["val_loss"] for run in runs.values()),
@@ -306,6 +311,31 @@ def summarize(
                 "partitions": next(iter(runs.values()))["partitions"],
             }
         )
+    return rows
+
+
+def across_arms(
+    cases: list[dict[str, Any]], results: dict[str, dict[str, Any]], first: str, second: str
+) -> list[dict[str, Any]]:
+    """Per dynamic and policy both arms ran: the second arm's tokens/s over the first's, paired by repeat (95 %).
+
+    Both arms ran in the same processes, one case after the other within every repeat (``dynmo-bench``'s
+    ``real.also``): e.g. DynMo under ZBV over DynMo under 1F1B, measured, not simulated.
+    """
+    speed: dict[tuple[str, str, str], dict[int, float]] = {}
+    for case in cases:
+        key = (case["stem"], case["dynamic"], case["policy"])
+        speed.setdefault(key, {})[case["repeat"]] = results[case["result"]]["tokens_per_s"]
+    rows = []
+    for stem, dynamic, policy in sorted(speed):
+        theirs = speed.get((first, dynamic, policy))
+        if stem != second or theirs is None:
+            continue
+        mine = speed[(stem, dynamic, policy)]
+        ratios = [mine[k] / theirs[k] for k in sorted(mine) if k in theirs]
+        mean, low, high = interval95(ratios)
+        rows.append({"dynamic": dynamic, "policy": policy, "ratio": mean, "ratio_low": low, "ratio_high": high,
+                     "ratios": ratios})  # fmt: skip
     return rows
 
 

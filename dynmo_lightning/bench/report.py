@@ -1,37 +1,29 @@
 """The benchmark report: ``benchmarks.md`` and its plots, rebuilt from a ``dynmo-bench`` directory's files alone.
 
-Reads ``layer_costs.json`` (and ``layer_costs_long.json``), ``real.json``, ``simulated.json`` and the traces; runs
-nothing. :func:`report_bench` is what ``dynmo-bench`` ends with and what ``dynmo-report DIR`` calls for a benchmark
-directory. Every number the tables show is in those files; the headline is DynMo's own policy (``optimal``), beside
-the oracle, the static splits and the seed's figure, with the validation loss the dynamic trained to.
+Reads ``layer_costs.json`` (and ``layer_costs_long.json``), ``real.json``, ``simulated.json``, the traces and the
+timelines (the cost drift of :mod:`.drift`); runs nothing. :func:`report_bench` is what ``dynmo-bench`` ends with
+and what ``dynmo-report DIR`` calls for a benchmark directory. Every number the tables show is in those files; the
+headline is DynMo's own policy (``optimal``), beside the oracle, the static splits and the seed's figure, with the
+validation loss the dynamic trained to; :func:`front_page_table` is the README's table of it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dynmo_lightning import balance
-from dynmo_lightning.bench import read_json
+from dynmo_lightning.bench import NAMES, read_json
+from dynmo_lightning.bench.drift import drift_section
 from dynmo_lightning.bench.layer_costs import block_gflops
 from dynmo_lightning.bench.scale import SEED
-from dynmo_lightning.plots import TIMES, figure, plot_stage_lines, save
+from dynmo_lightning.plots import DASH, TIMES, figure, plot_stage_lines, save
 from dynmo_lightning.sim import load_trace
-
-#: Display names.
-NAMES = {
-    "none": "no dynamic",
-    "freezing": "freezing",
-    "pruning": "pruning",
-    "early_exit": "early exit",
-    "mod": "Mixture of Depths",
-    "moe": "MoE",
-    "sparse_attention": "sparse attention",
-}
 
 
 def _read(path: Path) -> Any:
@@ -54,8 +46,9 @@ def headline_table(sim: Mapping[str, Any]) -> list[str]:
     """Per dynamic and number of stages: the oracle, DynMo, the static splits, the loss, the seed."""
     lines = [
         "| dynamic (preset strength) | P | `uniform` s/step | oracle | **DynMo `optimal`** (share of oracle) "
-        "| DynMo over `static_time` | `diffusion` | `static_time` | `params` | val loss (no dynamic) | seed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| DynMo over `static_time` | oracle over `static_time` | `diffusion` | `static_time` | `params` "
+        "| val loss (no dynamic) | seed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for dynamic, entry in sim["dynamics"].items():
         strength = f" ({entry['strength']})" if entry.get("strength") is not None else ""
@@ -63,10 +56,9 @@ def headline_table(sim: Mapping[str, Any]) -> list[str]:
             pol, loss = cmp["policies"], f"{entry['val_loss']:.3f} ({entry['val_loss_none']:.3f})"
             uniform = f"{pol['uniform']['total_time'] / cmp['n_steps']:.1f}" if cmp.get("n_steps") else "—"
             opt = f"**{_x(pol['optimal']['speedup'])}** ({_pct(pol['optimal']['share_of_oracle'])})"
-            # what re-balancing during training adds to a split balanced once on the first measured costs
-            rebalance = (
-                _x(pol["static_time"]["total_time"] / pol["optimal"]["total_time"]) if "static_time" in pol else "—"
-            )
+            # what re-balancing during training adds to a split balanced once on the first measured costs, and
+            # the most any balancer could add to it
+            rebalance = " | ".join(_over_static(cmp, run) for run in (pol.get("optimal"), cmp["oracle"]))
             others = " | ".join(_x(pol.get(name, {}).get("speedup")) for name in ("diffusion", "static_time", "params"))
             lines.append(
                 f"| {NAMES.get(dynamic, dynamic)}{strength} | {p} | {uniform} | {_x(cmp['oracle']['speedup'])} "
@@ -75,15 +67,77 @@ def headline_table(sim: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def zero_bubble_table(sim: Mapping[str, Any]) -> list[str]:
-    """Per dynamic and P: uniform, DynMo and the oracle under the zero-bubble schedule beside DynMo under 1F1B."""
+def _over_static(cmp: Mapping[str, Any], run: Mapping[str, Any] | None) -> str:
+    """A run's speed-up over ``static_time`` (profile once, balance once, never move) on the same trace and P."""
+    static = cmp["policies"].get("static_time")
+    return "—" if static is None or run is None else _x(static["total_time"] / run["total_time"])
+
+
+#: The front page's names of the presets: the paper's dynamic and where its knob is set.
+FRONT_PAGE = {
+    "freezing": "AutoFreeze, percentile {}",
+    "pruning": "global, cubic, {}",
+    "early_exit": "min. depth {}",
+    "mod": "capacity {}",
+    "moe": "Switch, capacity {}",
+    "sparse_attention": "coverage {}",
+}
+
+
+def front_page_table(sim: Mapping[str, Any]) -> list[str]:
+    """The README's headline table (and ``docs/performance.md``'s): one row per dynamic's preset, P in each cell.
+
+    DynMo (``optimal``) over the uniform split, over ``static_time`` (profile once, balance once, never move) and
+    the oracle over ``static_time`` at every P; DynMo's share of the oracle (its range over P), the validation loss
+    and the seed paper's figure.
+    """
+    dynamics = {d: e for d, e in sim["dynamics"].items() if d in FRONT_PAGE}
+    stages = " / ".join(next(iter(sim["dynamics"].values()))["by_stages"])
+    none = sim["dynamics"].get("none", {}).get("val_loss", next(iter(dynamics.values()))["val_loss_none"])
+    lines = [
+        f"| dynamic (preset) | DynMo over uniform, P = {stages} | DynMo over `static_time` "
+        f"| oracle over `static_time` | share of the oracle | val loss (none: {none:.3f}) | seed paper |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for dynamic, entry in dynamics.items():
+        runs = list(entry["by_stages"].values())
+        static = [cmp["policies"]["static_time"]["total_time"] for cmp in runs]
+        columns = (
+            [cmp["policies"]["optimal"]["speedup"] for cmp in runs],
+            [s / cmp["policies"]["optimal"]["total_time"] for s, cmp in zip(static, runs, strict=True)],
+            [s / cmp["oracle"]["total_time"] for s, cmp in zip(static, runs, strict=True)],
+        )
+        lo, hi = _span(round(100 * cmp["policies"]["optimal"]["share_of_oracle"]) for cmp in runs)
+        share = f"{lo}{DASH}{hi} %" if lo != hi else f"{lo} %"
+        label = f"{NAMES[dynamic]} ({FRONT_PAGE[dynamic].format(_strength(entry['strength']))})"
+        cells = " | ".join(" / ".join(f"{v:.2f}" for v in values) + TIMES for values in columns)
+        lines.append(f"| {label} | {cells} | {share} | {entry['val_loss']:.3f} | {_x(SEED.get(dynamic))} |")
+    return lines
+
+
+def _span(values: Iterable[int]) -> tuple[int, int]:
+    kept = list(values)
+    return min(kept), max(kept)
+
+
+def _strength(value: float) -> str:
+    """A preset's strength as the front page writes it: a unit fraction as ``1/n``, anything else as a number."""
+    exact = Fraction(value).limit_denominator(1024)
+    return f"1/{exact.denominator}" if exact.numerator == 1 and exact.denominator > 1 else f"{value:g}"
+
+
+def zero_bubble_table(sim: Mapping[str, Any], schedule: str) -> list[str]:
+    """Per dynamic and P: uniform, DynMo and the oracle under one zero-bubble schedule beside DynMo under 1F1B.
+
+    ``simulated.json`` holds them as ``dynamics[<name>]["zero_bubble"][<schedule>][<P>]``.
+    """
     lines = [
         "| dynamic | P | DynMo under 1F1B | zero-bubble `uniform` over 1F1B `uniform` | **DynMo zero-bubble** (share "
         "of oracle) | oracle zero-bubble | DynMo zero-bubble over 1F1B `uniform` | migrations |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for dynamic, entry in sim["dynamics"].items():
-        for p, zb in entry.get("zero_bubble", {}).items():
+        for p, zb in entry.get("zero_bubble", {}).get(schedule, {}).items():
             onef1b, pol = entry["by_stages"][p], zb["policies"]
             base = onef1b["policies"]["uniform"]["total_time"]
             dynmo = pol["optimal"]
@@ -158,31 +212,42 @@ def repack_table(sim: Mapping[str, Any]) -> list[str]:
 
 
 def real_table(real: Mapping[str, Any]) -> list[str]:
-    """The A/B runs: DynMo against uniform with 95 % intervals, the ideal ratio of the same window, the lag."""
+    """The A/B runs: each policy against uniform and ``static_time`` (where it ran), with 95 % intervals.
+
+    Beside them the ideal ratio of the same window and the reaction lag.
+    """
     lines = [
-        "| dynamic | uniform tokens/s | DynMo tokens/s | **ratio** [95 % interval] | ideal ratio | share of ideal "
-        "| reaction lag | val loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| dynamic | uniform tokens/s | policy | tokens/s | **over uniform** [95 % interval] "
+        "| over `static_time` [95 %] | ideal ratio | share of ideal | reaction lag | val loss |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows = {(r["dynamic"], r["policy"]): r for r in real["rows"]}
     for dynamic in dict.fromkeys(r["dynamic"] for r in real["rows"]):
-        uniform, dynmo = rows.get((dynamic, "uniform")), rows.get((dynamic, "optimal"))
-        if uniform is None or dynmo is None:
+        uniform = rows.get((dynamic, "uniform"))
+        if uniform is None:
             continue
-        lag = dynmo.get("reaction_lag_steps")
-        lag_text = (
-            f"{lag['max_steps']} steps ({lag['max_intervals']:.1f} profile intervals; moves after "
-            f"{lag.get('answered', '?')} of {lag.get('events', '?')} events)"
-            if lag
-            else "—"
-        )
-        speeds = f"{np.mean(uniform['tokens_per_s']):,.0f} | {np.mean(dynmo['tokens_per_s']):,.0f}"
-        ratio = f"**{_x(dynmo['ratio'])}** [{dynmo['ratio_low']:.3f}, {dynmo['ratio_high']:.3f}]"
-        lines.append(
-            f"| {NAMES.get(dynamic, dynamic)} | {speeds} | {ratio} | {_x(dynmo['ideal_ratio'])} "
-            f"| {_pct(dynmo['share_of_ideal'])} | {lag_text} | {dynmo['val_loss']:.3f} |"
-        )
+        for policy in (p for d, p in rows if d == dynamic and p != "uniform"):
+            lines.append(_real_row(dynamic, uniform, rows[(dynamic, policy)]))
     return lines
+
+
+def _real_row(dynamic: str, uniform: Mapping[str, Any], run: Mapping[str, Any]) -> str:
+    lag = run.get("reaction_lag_steps")
+    lag_text = (
+        f"{lag['max_steps']} steps ({lag['max_intervals']:.1f} profile intervals; moves after "
+        f"{lag.get('answered', '?')} of {lag.get('events', '?')} events)"
+        if lag
+        else "—"
+    )
+    name = "DynMo" if run["policy"] == "optimal" else f"`{run['policy']}`"
+    ratio = f"**{_x(run['ratio'])}** [{run['ratio_low']:.3f}, {run['ratio_high']:.3f}]"
+    over = run.get("over_static_time")
+    static = f"{_x(over['ratio'])} [{over['ratio_low']:.3f}, {over['ratio_high']:.3f}]" if over else "—"
+    return (
+        f"| {NAMES.get(dynamic, dynamic)} | {np.mean(uniform['tokens_per_s']):,.0f} | {name} "
+        f"| {np.mean(run['tokens_per_s']):,.0f} | {ratio} | {static} | {_x(run['ideal_ratio'])} "
+        f"| {_pct(run['share_of_ideal'])} | {lag_text} | {run['val_loss']:.3f} |"
+    )
 
 
 def layer_table(table: Mapping[str, Any]) -> list[str]:
@@ -317,7 +382,7 @@ def report_bench(directory: str | Path) -> list[Path]:
     if costs:
         lines += ["## Machine", "", ", ".join(f"{k} {v}" for k, v in costs["machine"].items()), ""]
     if sim:
-        lines += _scale_section(sim)
+        lines += [*_scale_section(sim), *_front_page_section(sim), *drift_section(d, sim)]
         plots += _scale_plots(sim, d)
     for stem, real in reals:
         if real:
@@ -373,24 +438,42 @@ def _scale_section(sim: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def _zero_bubble_section(sim: Mapping[str, Any]) -> list[str]:
-    table = zero_bubble_table(sim)
-    if not table:
-        return []
-    zb = next(e["zero_bubble"] for e in sim["dynamics"].values() if e.get("zero_bubble"))
-    first = next(iter(zb.values()))
+def _front_page_section(sim: Mapping[str, Any]) -> list[str]:
     return [
-        f"### Zero-bubble pipelines (`{first['schedule']}`)",
+        "### The front page's table",
         "",
-        f"The same traces on the same P ranks and the same {first['n_microbatches'] // first['n_ranks']} "
-        f"micro-batches per rank, under `{first['schedule']}`: two stages per rank in a V (stages s and 2P - 1 - s "
-        "on rank s), the backward split into its input-gradient and weight-gradient tasks (the weight part of "
-        "every layer measured below). Zero-bubble speed-ups are over the uniform split under the same schedule; the "
-        f"last columns put the schedule and the balancing together over 1F1B's uniform split.{_one_layer_note(zb)}",
+        "The presets of the table above as `README.md` and `docs/performance.md` show them (a test holds them to this "
+        "file): DynMo over uniform, what re-balancing during training adds to `static_time`'s split, and the most "
+        "any balancer could add to it (the oracle).",
         "",
-        *table,
+        *front_page_table(sim),
         "",
     ]
+
+
+def _zero_bubble_section(sim: Mapping[str, Any]) -> list[str]:
+    runs = next((e["zero_bubble"] for e in sim["dynamics"].values() if e.get("zero_bubble")), {})
+    if not runs:
+        return []
+    first = next(iter(next(iter(runs.values())).values()))
+    lines = [
+        f"### Zero-bubble pipelines ({', '.join(f'`{s}`' for s in runs)})",
+        "",
+        f"The same traces on the same P ranks and the same {first['n_microbatches'] // first['n_ranks']} "
+        "micro-batches per rank, under each zero-bubble schedule: two stages per rank, in a V for `zbv` and "
+        "`dualpipev` (stages s and 2P - 1 - s on rank s), looped for `interleaved_zb` (stages s and P + s), the "
+        "backward split into its input-gradient and weight-gradient tasks (the weight part of every layer measured "
+        "below). Zero-bubble speed-ups are over the uniform split under the same schedule; the last columns put the "
+        "schedule and the balancing together over 1F1B's uniform split.",
+        "",
+    ]
+    for schedule, by_ranks in runs.items():
+        title, order = SCHEDULE_NAMES.get(schedule, (schedule, schedule))
+        lines += [f"#### {title} (`{schedule}`, `{order}`)", ""]
+        note = _one_layer_note(by_ranks).strip()
+        lines += [note, ""] if note else []
+        lines += [*zero_bubble_table(sim, schedule), ""]
+    return lines
 
 
 def _one_layer_note(by_ranks: Mapping[str, Any]) -> str:
@@ -440,13 +523,37 @@ def _real_section(real: Mapping[str, Any]) -> list[str]:
         f"{cfg['world_size']} ranks{stages}, GPT {cfg['model']['n_layer']} blocks x {cfg['model']['n_embd']}, "
         f"batches of {cfg['data']['batch_size']} x {cfg['data']['block_size']} tokens in {cfg['microbatches']} "
         f"micro-batches, {cfg['steps']} steps, tokens/s from step {cfg['measure_from']}; {cfg['repeats']} repeats, "
-        f"policies alternating; one activation hop {hop:.2f} ms. Ratio: DynMo's tokens/s over the uniform run beside "
-        f"it. Ideal: the uniform split's step time over the best split's, both the makespan of `{order}`'s task order "
+        f"policies alternating; one activation hop {hop:.2f} ms. Ratio: a policy's tokens/s over the uniform run "
+        "beside it (and over the `static_time` run, profiled and balanced once, where it ran). Ideal: the uniform "
+        f"split's step time over the best split's, both the makespan of `{order}`'s task order "
         "(`balance.StepModel`) from the per-layer costs DynMo's balancer measured in the same window.",
         "",
         *real_table(real),
         "",
+        *_same_run_table(real),
     ]
+
+
+def _same_run_table(real: Mapping[str, Any]) -> list[str]:
+    """This arm against the one it alternated with in the same processes (``real.also``), repeat by repeat."""
+    same = real.get("same_run")
+    if not same or not same["rows"]:
+        return []
+    other = same["vs"]
+    lines = [
+        f"In the same processes, alternated with the `{other}` arm in every repeat: this schedule's tokens/s over "
+        f"that one's, paired by repeat (95 % intervals).",
+        "",
+        "| dynamic | policy | over the other schedule [95 % interval] |",
+        "|---|---|---:|",
+    ]
+    for row in same["rows"]:
+        name = "DynMo" if row["policy"] == "optimal" else f"`{row['policy']}`"
+        lines.append(
+            f"| {NAMES.get(row['dynamic'], row['dynamic'])} | {name} "
+            f"| **{_x(row['ratio'])}** [{row['ratio_low']:.3f}, {row['ratio_high']:.3f}] |"
+        )
+    return [*lines, ""]
 
 
 def _stale_note(sim: Mapping[str, Any]) -> list[str]:

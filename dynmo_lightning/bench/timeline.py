@@ -32,13 +32,13 @@ from dynmo_lightning.callbacks import (
     MixtureOfExperts,
     TokenEarlyExit,
 )
+from dynmo_lightning.core.host_values import DeviceScalars
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
 from dynmo_lightning.models.blocks import MLP, CausalSelfAttention
 from dynmo_lightning.models.moe import MoEMLP
 from dynmo_lightning.models.routing import DepthRouter, ExitGate
 from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention
-from dynmo_lightning.protocol import DeviceScalars
 
 
 @dataclasses.dataclass(frozen=True)

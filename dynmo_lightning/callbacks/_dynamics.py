@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from typing_extensions import Self, override
 
-from dynmo_lightning.protocol import all_gather, local_layers
+from dynmo_lightning.core.callback_tools import all_gather, local_layers
 from dynmo_lightning.settings import build, from_settings
 
 

@@ -28,10 +28,10 @@ from dynmo_lightning.balance import CostTracker
 from dynmo_lightning.balance.placement import rank_stages
 from dynmo_lightning.balance.policy import GROW, MIGRATE, REPACK, BalancePolicy, Decision, PipelineShape
 from dynmo_lightning.balance.settings import METHODS, BalanceSettings
+from dynmo_lightning.core.control import JobShape, PipelineControl, pipeline_control
 from dynmo_lightning.pipeline.groups import ON_RELEASE
 from dynmo_lightning.pipeline.release import RELEASE_TO, ReleaseHandler, make_release_handler
 from dynmo_lightning.profiling import device_memory
-from dynmo_lightning.protocol import JobShape, PipelineControl, pipeline_control
 from dynmo_lightning.settings import build, configured_by, from_settings
 
 __all__ = ["METHODS", "ON_RELEASE", "RELEASE_TO", "BalancerSettings", "DynMoBalancer"]
@@ -122,15 +122,16 @@ class DynMoBalancer(Callback):
             total = device_memory(trainer.strategy.root_device)  # None on CPU: no limit
             capacity = None if total is None else total * (1.0 - self.settings.memory_margin)
             self.policy.settings = dataclasses.replace(self.policy.settings, memory_capacity=capacity)
-        world = control.pp_size * control.dp_size
-        self.pipeline_check_job(JobShape(world, control.pp_size, control.stages_per_rank, None, control.data_parallel))
+        self.pipeline_check_job(JobShape(control.world_size, control.pp_size, control.stages_per_rank, None,
+                                         control.data_parallel, control.tensor_parallel_size))  # fmt: skip
 
     def pipeline_check_job(self, job: JobShape) -> None:
         """Refuse settings the job's size contradicts (the launching process calls this before any worker starts).
 
         Raises:
-            ValueError: ``min_stages`` above the pipeline's processes, ``repack`` with several stages per rank,
-                a ``memory_capacity`` list of the wrong length or one that cannot hold the model's weights.
+            ValueError: ``min_stages`` above the pipeline's processes, ``repack`` with several stages per rank, or
+                with FSDP2 / replicate units or tensor parallelism, a ``memory_capacity`` list of the wrong length
+                or one that cannot hold the model's weights.
         """
         if self.settings.repack and self.settings.min_stages > job.pp_size:
             raise ValueError(
@@ -146,6 +147,12 @@ class DynMoBalancer(Callback):
                 f"balancer.repack with strategy.data_parallel={job.data_parallel!r} is not supported: consolidation "
                 "restarts the world, and FSDP2 / replicate units cannot follow it yet. Use balancer.repack=false "
                 "(layers still move between stages), or strategy.data_parallel='ddp'"
+            )
+        if self.settings.repack and job.tensor_parallel_size > 1:
+            raise ValueError(
+                f"balancer.repack with strategy.tensor_parallel_size={job.tensor_parallel_size} is not supported: "
+                "consolidation restarts the world on fewer processes, and the layers' splits cannot follow it yet. "
+                "Use balancer.repack=false (layers still move between stages), or strategy.tensor_parallel_size=1"
             )
         capacity = self.settings.memory_capacity
         if capacity is None or capacity == "auto":  # "auto": the device's memory, known on the workers

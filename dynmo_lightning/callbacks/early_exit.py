@@ -19,8 +19,8 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from dynmo_lightning.callbacks._dynamics import RoutedDynamics, RoutedSettings, check_at_least, check_fractions
+from dynmo_lightning.core.host_values import read_once, set_host_value
 from dynmo_lightning.models.routing import EXIT_SYNC, ExitGate
-from dynmo_lightning.protocol import read_once, set_host_value
 from dynmo_lightning.settings import configured_by
 
 

@@ -30,10 +30,12 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 from typing_extensions import Self, override
 
+from dynmo_lightning.core.callback_tools import all_gather, layers_changed, local_layers
+from dynmo_lightning.core.control import pipeline_control
 from dynmo_lightning.optim import drop_params
-from dynmo_lightning.protocol import all_gather, layers_changed, local_layers, pipeline_control
 from dynmo_lightning.settings import build, configured_by, from_settings
 
 MODES = ("auto", "schedule")
@@ -129,10 +131,9 @@ class LayerFreezing(Callback):
         for _, layer in local_layers(pl_module):
             grads = [p.grad for p in layer.parameters() if p.grad is not None]
             if grads:
-                # float64: exact for every floating dtype, so stacking any mix is safe. The running sum stays on the
-                # device (no read in the step); it is layer state, so it moves with the layer when it migrates.
-                norm = torch.linalg.vector_norm(torch.stack(list(torch._foreach_norm(grads))).to(torch.float64))
-                setattr(layer, _WINDOW, getattr(layer, _WINDOW, 0.0) + norm)
+                # The running sum stays on the device (no read in the step); it is layer state, so it moves with the
+                # layer when it migrates.
+                setattr(layer, _WINDOW, getattr(layer, _WINDOW, 0.0) + _norm(grads))
 
     @override
     def on_train_batch_end(
@@ -210,6 +211,20 @@ class LayerFreezing(Callback):
         self._restored_window = {int(k): float(v) for k, v in state_dict.get("window", {}).items()}
         previous = state_dict.get("previous")
         self._previous = {int(k): float(v) for k, v in previous.items()} if previous is not None else None
+
+
+def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of ``grads`` together, in float64 (exact for every floating dtype, so any mix stacks safely).
+
+    Gradients held in parts (DTensors: FSDP2 shards, tensor-parallel splits) count by their whole value: their norms
+    are reduced over the processes holding the parts (every one of them runs this for the same layer), and mix
+    with the norms of whole gradients (a split layer's norms, say) as plain tensors.
+    """
+    parts = [g for g in grads if isinstance(g, DTensor)]
+    whole = [g for g in grads if not isinstance(g, DTensor)]
+    norms = [n.full_tensor() for n in torch._foreach_norm(parts)] if parts else []
+    norms += list(torch._foreach_norm(whole)) if whole else []
+    return torch.linalg.vector_norm(torch.stack([n.to(torch.float64) for n in norms]))
 
 
 def _gather_windows(pl_module: pl.LightningModule) -> dict[int, float]:

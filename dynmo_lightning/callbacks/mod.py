@@ -16,8 +16,9 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from dynmo_lightning.callbacks._dynamics import RoutedDynamics, RoutedSettings, check_at_least, check_fractions
+from dynmo_lightning.core.callback_tools import layers_changed
+from dynmo_lightning.core.host_values import set_host_value
 from dynmo_lightning.models.routing import DepthRouter
-from dynmo_lightning.protocol import layers_changed, set_host_value
 from dynmo_lightning.settings import configured_by
 
 

@@ -22,7 +22,8 @@ from lightning.pytorch.utilities.model_summary.model_summary import get_formatte
 from torch import nn
 from typing_extensions import override
 
-from dynmo_lightning.protocol import PipelineControl, all_gather, local_layers, pipeline_control
+from dynmo_lightning.core.callback_tools import all_gather, local_layers
+from dynmo_lightning.core.control import PipelineControl, pipeline_control
 
 
 @dataclasses.dataclass(frozen=True)

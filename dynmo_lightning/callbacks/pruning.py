@@ -38,7 +38,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import Self, override
 
-from dynmo_lightning.protocol import JobShape, all_gather, layers_changed, local_layers, local_part, pipeline_control
+from dynmo_lightning.core.callback_tools import all_gather, layers_changed, local_layers
+from dynmo_lightning.core.control import JobShape, pipeline_control
+from dynmo_lightning.core.parts import held_parts, local_part
 from dynmo_lightning.settings import build, configured_by, from_settings
 
 MODES = ("structured", "unstructured")
@@ -135,8 +137,15 @@ class GradualPruning(Callback):
         """Refuse structured pruning of sharded layers before any worker starts (see :meth:`setup`).
 
         Raises:
-            ValueError: ``mode="structured"`` under ``data_parallel`` ``"fsdp"`` or ``"replicate"``.
+            ValueError: ``mode="structured"`` under ``data_parallel`` ``"fsdp"`` or ``"replicate"``, or under tensor
+                parallelism.
         """
+        if self.settings.mode == "structured" and job.tensor_parallel_size > 1:
+            raise ValueError(
+                f"dynamics.mode='structured' pruning removes heads and neurons, which strategy.tensor_parallel_size="
+                f"{job.tensor_parallel_size} splits evenly over a stage's processes: use dynamics.mode=unstructured, "
+                "or strategy.tensor_parallel_size=1"
+            )
         if self.settings.mode == "structured" and job.data_parallel != "ddp":
             # Removing units gives parameters new shapes; an FSDP2 / replicate unit manages the shapes it was made
             # with. Unstructured pruning (masks on the local shards) works.
@@ -151,7 +160,7 @@ class GradualPruning(Callback):
         control = pipeline_control(trainer)
         if control is not None:
             self.pipeline_check_job(JobShape(control.world_size, control.pp_size, control.stages_per_rank, None,
-                                             control.data_parallel))  # fmt: skip
+                                             control.data_parallel, control.tensor_parallel_size))  # fmt: skip
 
     def sparsity_at(self, step: int) -> float:
         """Target sparsity after ``step`` optimizer steps."""
@@ -241,7 +250,8 @@ class GradualPruning(Callback):
         weights = _prunable_weights(pl_module)
         thresholds: list[Tensor | float]
         if self.settings.scope == "global":
-            threshold = global_magnitude_threshold([local_part(w) for w in weights], target, pl_module.device)
+            parts = [local_part(w) for w in weights]
+            threshold = global_magnitude_threshold(parts, target, pl_module.device, [held_parts(w) for w in weights])
             thresholds = [threshold] * len(weights)
         else:
             thresholds = []
@@ -268,20 +278,26 @@ class GradualPruning(Callback):
         self.sparsity = float(state_dict["sparsity"])
 
 
-def global_magnitude_threshold(parts: Sequence[Tensor], fraction: float, device: torch.device) -> Tensor:
+def global_magnitude_threshold(
+    parts: Sequence[Tensor], fraction: float, device: torch.device, weights: Sequence[int] | None = None
+) -> Tensor:
     """The ``k``-th smallest magnitude over every process's ``parts`` (``k``: ``fraction`` of their elements).
 
     What ``kthvalue`` of all magnitudes gathered in one place gives (``-1`` when ``k`` is 0), found without moving
     them: a bisection over the float32 bit patterns of the magnitudes (non-negative floats order as their bits), 31
     rounds of counting the elements at or below the midpoint, summed over all processes by an all-reduce of one
     number on ``device``. Nothing is read on the host. Each process passes the part of the weights it holds (a
-    shard under FSDP2, whole copies under DDP replicas: every element counts once or ``D`` times, the same fraction).
+    shard under FSDP2, a tensor-parallel split, whole copies under DDP replicas), each counted ``weights`` times
+    (:func:`~dynmo_lightning.protocol.held_parts`, so that every element counts as often as every other, the same
+    fraction).
 
     Args:
         parts: this process's tensors (the local parts of its weights).
         fraction: share of all elements at or below the threshold.
         device: where the counts are reduced (the weights' device; used when this process holds no weights).
+        weights: how many times each part counts (default: once).
     """
+    times = list(weights) if weights is not None else [1] * len(parts)
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
 
@@ -292,11 +308,12 @@ def global_magnitude_threshold(parts: Sequence[Tensor], fraction: float, device:
 
     def at_most(bound: Tensor) -> Tensor:
         count = torch.zeros((), dtype=torch.int64, device=device)
-        for part in parts:  # one part's float magnitudes at a time: no copy of them all
-            count += (part.detach().abs().float() <= bound).sum()
+        for part, w in zip(parts, times, strict=True):  # one part's float magnitudes at a time: no copy of them all
+            count += (part.detach().abs().float() <= bound).sum() * w
         return total(count)
 
-    n = total(torch.full((), sum(p.numel() for p in parts), dtype=torch.int64, device=device))
+    n = total(torch.full((), sum(p.numel() * w for p, w in zip(parts, times, strict=True)), dtype=torch.int64,
+                         device=device))  # fmt: skip
     top = torch.zeros((), dtype=torch.int64, device=device)
     for part in parts:
         if part.numel():

@@ -17,8 +17,8 @@ from typing import Any
 from typing_extensions import override
 
 from dynmo_lightning.callbacks._dynamics import RoutedDynamics, RoutedSettings, check_at_least, check_fractions
+from dynmo_lightning.core.host_values import host_value
 from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention
-from dynmo_lightning.protocol import host_value
 from dynmo_lightning.settings import configured_by
 
 

@@ -13,8 +13,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from dynmo_lightning.core.control import pipeline_control
+from dynmo_lightning.core.host_values import DeviceScalars
 from dynmo_lightning.pipeline.compiled import graphs
-from dynmo_lightning.protocol import DeviceScalars, pipeline_control
 from dynmo_lightning.recompute import recomputations
 
 

@@ -36,7 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
-from dynmo_lightning.protocol import is_on_host
+from dynmo_lightning.core.context import is_on_host
 
 #: The ``torch.Tensor`` methods that read a value on the host.
 SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__")

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from dynmo_lightning.balance import CostTracker
-from dynmo_lightning.protocol import PipelineControl, pipeline_control
+from dynmo_lightning.core.control import PipelineControl, pipeline_control
 
 
 class CostTrace(Callback):

@@ -54,8 +54,15 @@ class Embedding(nn.Module):
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention on ``(B, T, C)`` hidden states.
 
+    Queries, keys and values have a projection each (``q``, ``k``, ``v``; keys without a bias, which could not change
+    an attention weight), laid out head by head, so that a tensor
+    parallel split of their rows (``ColwiseParallel``) gives every process whole heads of all three, and one of
+    ``proj``'s columns (``RowwiseParallel``) the same heads (``pipeline/tensor_parallel.py``). The forward counts
+    the heads it got from the projections' widths: the same code runs whole or split.
+
     Structured pruning removes whole heads (:meth:`keep_units`): the projections shrink, so attention costs fall
-    with the number of heads left.
+    with the number of heads left. A checkpoint of the fused layout of earlier versions (``qkv``, rows
+    ``[3, n_head, head_dim]``) loads into the three projections.
     """
 
     unit_kind = "head"
@@ -67,61 +74,96 @@ class CausalSelfAttention(nn.Module):
         self.n_head = n_head
         self.initial_units = n_head
         self.head_dim = n_embd // n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_head * self.head_dim, bias=bias)
+        self.q = nn.Linear(n_embd, n_head * self.head_dim, bias=bias)
+        # No key bias: it adds q . b to every logit of a query alike, which softmax removes. Its gradient is zero in
+        # exact arithmetic; in float it is noise, which Adam would turn into steps of the learning rate's size.
+        self.k = nn.Linear(n_embd, n_head * self.head_dim, bias=False)
+        self.v = nn.Linear(n_embd, n_head * self.head_dim, bias=bias)
         self.proj = nn.Linear(n_head * self.head_dim, n_embd, bias=bias)
         self.dropout = dropout
         self.resid_drop = nn.Dropout(dropout)
 
+    def heads(self, projected: Tensor) -> Tensor:
+        """``(B, T, h * head_dim)`` projections as ``(B, h, T, head_dim)``: ``h`` the heads this process holds."""
+        B, T, width = projected.shape
+        return projected.view(B, T, width // self.head_dim, self.head_dim).transpose(1, 2)
+
+    def qkv(self, x: Tensor, xq: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries of ``xq`` (default: ``x``), keys and values of ``x``, each ``(B, h, T, head_dim)``."""
+        return self.heads(self.q(x if xq is None else xq)), self.heads(self.k(x)), self.heads(self.v(x))
+
+    def merge(self, y: Tensor) -> Tensor:
+        """Attention outputs ``(B, h, T, head_dim)`` through the output projection (and dropout): ``(B, T, C)``."""
+        B, h, T, D = y.shape
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, h * D)))
+
     def forward(self, x: Tensor) -> Tensor:
         """Attend causally over ``(B, T, C)``."""
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
+        return self.merge(F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True))
 
     def _rows(self, heads: Tensor) -> Tensor:
-        """Rows of ``qkv`` (laid out ``[3, n_head, head_dim]``) that belong to ``heads``, in layout order."""
+        """Rows of ``q``, ``k`` and ``v`` (laid out ``[n_head, head_dim]``) that belong to ``heads``, in order."""
         d = torch.arange(self.head_dim, device=heads.device)
-        per_head = (heads[:, None] * self.head_dim + d).reshape(-1)
-        return torch.cat([c * self.n_head * self.head_dim + per_head for c in range(3)])
+        return (heads[:, None] * self.head_dim + d).reshape(-1)
+
+    def _projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self.q, self.k, self.v
 
     def unit_scores(self) -> Tensor:
         """L2 norm of each head's query/key/value rows and output-projection columns."""
-        heads = torch.arange(self.n_head, device=self.qkv.weight.device)
-        rows = self.qkv.weight.detach().square().sum(1)
-        if self.qkv.bias is not None:
-            rows = rows + self.qkv.bias.detach().square()
-        per_head = rows.view(3, self.n_head, self.head_dim).sum((0, 2))
+        per_head = torch.zeros(self.n_head, device=self.q.weight.device)
+        for lin in self._projections():
+            rows = lin.weight.detach().square().sum(1)
+            if lin.bias is not None:
+                rows = rows + lin.bias.detach().square()
+            per_head = per_head + rows.view(self.n_head, self.head_dim).sum(1)
         cols = self.proj.weight.detach().square().sum(0).view(self.n_head, self.head_dim).sum(1)
-        return (per_head + cols)[heads].sqrt()
+        return (per_head + cols).sqrt()
 
     def keep_units(self, keep: Tensor, optimizers: Sequence[Optimizer] = ()) -> None:
         """Keep only the heads ``keep`` (ascending indices), slicing weights and their optimizer state in place."""
         rows = self._rows(keep)
-        index_select_(self.qkv.weight, 0, rows, optimizers)
-        if self.qkv.bias is not None:
-            index_select_(self.qkv.bias, 0, rows, optimizers)
-        cols = (keep[:, None] * self.head_dim + torch.arange(self.head_dim, device=keep.device)).reshape(-1)
-        index_select_(self.proj.weight, 1, cols, optimizers)
+        for lin in self._projections():
+            index_select_(lin.weight, 0, rows, optimizers)
+            if lin.bias is not None:
+                index_select_(lin.bias, 0, rows, optimizers)
+        index_select_(self.proj.weight, 1, rows, optimizers)
         self._set_heads(len(keep))
 
     def _set_heads(self, n_head: int) -> None:
         self.n_head = n_head
-        self.qkv.out_features = 3 * n_head * self.head_dim
+        for lin in self._projections():
+            lin.out_features = n_head * self.head_dim
         self.proj.in_features = n_head * self.head_dim
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        _split_fused_qkv(state_dict, prefix)
         # A checkpoint of a pruned model has fewer heads: take its shapes before its values.
-        w = state_dict.get(prefix + "qkv.weight")
-        if w is not None and w.shape != self.qkv.weight.shape:
-            heads = w.shape[0] // (3 * self.head_dim)
-            _resize(self.qkv.weight, tuple(w.shape))
-            if self.qkv.bias is not None:
-                _resize(self.qkv.bias, (w.shape[0],))
+        w = state_dict.get(prefix + "q.weight")
+        if w is not None and w.shape != self.q.weight.shape:
+            heads = w.shape[0] // self.head_dim
+            for lin in self._projections():
+                _resize(lin.weight, tuple(w.shape))
+                if lin.bias is not None:
+                    _resize(lin.bias, (w.shape[0],))
             _resize(self.proj.weight, (self.proj.weight.shape[0], heads * self.head_dim))
             self._set_heads(heads)
         super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def _split_fused_qkv(state_dict: dict[str, Any], prefix: str) -> None:
+    """A fused ``qkv`` projection of earlier versions (rows ``[3, n_head, head_dim]``) as ``q``, ``k`` and ``v``.
+
+    The key part of its bias is left out: it moves every logit of a query alike, which changes no attention weight.
+    """
+    for kind in ("weight", "bias"):
+        fused = state_dict.pop(prefix + "qkv." + kind, None)
+        if fused is not None:
+            for name, part in zip("qkv", fused.chunk(3, dim=0), strict=True):
+                if not (name == "k" and kind == "bias"):
+                    state_dict[f"{prefix}{name}.{kind}"] = part
 
 
 class MLP(nn.Module):

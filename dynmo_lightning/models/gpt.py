@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dynmo_lightning.core.layer_init import init_layer
+from dynmo_lightning.core.model import PipelineModule
 from dynmo_lightning.models.blocks import MLP, Block, CausalSelfAttention, Embedding, Head
 from dynmo_lightning.models.moe import MoEMLP
 from dynmo_lightning.models.sparse_attention import SparseCausalSelfAttention, adapt_densities
-from dynmo_lightning.protocol import PipelineModule, init_layer
 
 # The parts live in blocks.py; importing them from here keeps working.
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "Embedding", "Head"]

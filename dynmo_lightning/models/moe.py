@@ -51,8 +51,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dynmo_lightning.core.context import is_probing
 from dynmo_lightning.models.blocks import MLP
-from dynmo_lightning.protocol import is_probing
 
 
 class MoEMLP(nn.Module):

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dynmo_lightning.protocol import host_value, is_probing, set_host_value, stage_memo
+from dynmo_lightning.core.context import is_probing, stage_memo
+from dynmo_lightning.core.host_values import host_value, set_host_value
 
 
 class ExitGate(nn.Module):
@@ -168,20 +169,14 @@ class DepthRouter(nn.Module):
 def attend_queries(attn: nn.Module, x: Tensor, pos: Tensor) -> Tensor:
     """Causal self-attention outputs of the query positions ``pos`` ``(B, A)`` only; keys/values from all of ``x``.
 
-    ``attn`` is the block's attention module (``qkv``, ``proj``, ``n_head``, ``head_dim``); the result is
-    ``(B, A, C)``, the attention branch of the queried tokens (after the output projection).
+    ``attn`` is the block's attention module (:class:`~dynmo_lightning.models.blocks.CausalSelfAttention`); the
+    result is ``(B, A, C)``, the attention branch of the queried tokens (after the output projection).
     """
-    B, T, _ = x.shape
-    H, D = attn.n_head, attn.head_dim
-    w, b = attn.qkv.weight, attn.qkv.bias
+    T = x.shape[1]
     xq = x.gather(1, pos[..., None].expand(-1, -1, x.shape[-1]))
-    q = F.linear(xq, w[: H * D], None if b is None else b[: H * D])
-    kv = F.linear(x, w[H * D :], None if b is None else b[H * D :])
-    q = q.view(B, -1, H, D).transpose(1, 2)
-    k, v = kv.view(B, T, 2, H, D).permute(2, 0, 3, 1, 4)
+    q, k, v = attn.qkv(x, xq)
     mask = torch.arange(T, device=x.device)[None, None, None, :] <= pos[:, None, :, None]
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return attn.proj(y.transpose(1, 2).reshape(B, -1, H * D))
+    return attn.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
 def active_forward(

@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dynmo_lightning.core.context import is_probing
+from dynmo_lightning.core.host_values import host_value, read_once, set_host_value
 from dynmo_lightning.models.blocks import CausalSelfAttention
-from dynmo_lightning.protocol import host_value, is_probing, read_once, set_host_value
 
 
 class SparseCausalSelfAttention(CausalSelfAttention):
@@ -105,7 +106,7 @@ class SparseCausalSelfAttention(CausalSelfAttention):
         """Restore the initial density (e.g. after the layer was materialised from the meta device)."""
         set_host_value(self, "density", self.initial_density)
 
-    # The protocol's default initialisation calls every submodule's reset_parameters (the weights live in qkv/proj).
+    # The protocol's default initialisation calls every submodule's reset_parameters (the weights live in q/k/v/proj).
     reset_parameters = reset_buffers
 
     def blocks_kept(self, n_blocks: int) -> list[int]:
@@ -128,8 +129,8 @@ class SparseCausalSelfAttention(CausalSelfAttention):
             self._adapt(1.0, 1.0)
             return super().forward(x)
 
-        H, D, blk = self.n_head, self.head_dim, self.attn_block
-        q, k, v = self.qkv(x).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x)
+        H, D, blk = q.shape[1], self.head_dim, self.attn_block
         qb, kb, vb = (t.reshape(B * H, n_blocks, blk, D) for t in (q, k, v))
         with torch.no_grad():
             rank = _rank_earlier_blocks(qb.mean(2), kb.mean(2))
@@ -156,7 +157,7 @@ class SparseCausalSelfAttention(CausalSelfAttention):
             with torch.no_grad():
                 coverage = _coverage(q, k, rank, kept, blk)
         self._adapt(coverage, sum(kept) / (n_blocks * (n_blocks + 1) / 2))
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, H * D)))
+        return self.merge(y)
 
     def _adapting(self) -> bool:
         return self.target_coverage is not None and self.training and not is_probing()

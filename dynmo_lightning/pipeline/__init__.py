@@ -7,7 +7,7 @@
 * ``groups`` - restarting the world among survivors (each survivor's view of it) and releasing the others.
 * ``launcher`` - starting the job's processes, after the checks that must fail before any worker starts.
 * ``layers`` - which layers this process holds, where each sits in the user's module, placeholders for remote ones.
-* ``layout`` - replicas, their data shards and batch parts, THE pipeline-rank / global-rank mapping, the device mesh.
+* ``layout`` - replicas, tensor-parallel groups, data shards and batch parts, THE rank mapping, the device mesh.
 * ``migration`` - layers moving between processes with everything that defines them; packing onto fewer ranks.
 * ``neighbours`` - diffusion balancing at runtime: one protocol stage per process, cards sent to its neighbours.
 * ``precision`` - the Trainer's precision plugin, with clipping by the pipeline's global gradient norm.
@@ -19,11 +19,13 @@
 * ``settings`` - :class:`StrategySettings`: the strategy's settings, one name and one default each (Hydra's too).
 * ``sharded`` - sharded checkpoints: each stage writes its layers (``torch.distributed.checkpoint``), any width reads.
 * ``sharding`` - data parallelism inside a stage: DDP, or FSDP2 / replicate units; sharded layers' migration.
+* ``tensor_parallel`` - layers split over the processes of their stage: the model's plan or the built-in ones.
 * ``split`` - the first partition; dropping other stages' layers; materialising this stage's from per-layer seeds.
 * ``stages`` - :class:`~dynmo_lightning.pipeline.stages.LocalStages`: split model, ties and runtime of one process.
 * ``ties`` - parameters shared by layers on different stages, kept exact on any partition.
 * ``transport`` - host data over the CPU control group, tensors by batched point-to-point on the device.
 * ``watchdog`` - heartbeats, and failure messages that name the lost rank and the phase.
+* ``worlds`` - a fresh world per Trainer call in one process, every world ended in order at exit.
 
 Imports run downwards only: ``layout`` and ``layers`` import no other room; ``stages`` is the only room that imports
 ``split``, ``ties``, ``migration`` and ``runtime`` together.

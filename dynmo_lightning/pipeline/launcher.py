@@ -24,14 +24,17 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dynmo_lightning.balance.placement import V_SCHEDULES
-from dynmo_lightning.launch import end_world_at_exit
+from dynmo_lightning.core.control import JobShape, PreLaunchCheck
+from dynmo_lightning.core.model import PipelineModule, ProtocolError, check_protocol
 from dynmo_lightning.pipeline.evaluation import EVAL_HOOK
 from dynmo_lightning.pipeline.layout import check_batch
 from dynmo_lightning.pipeline.runtime import SCHEDULES, SPLIT_BACKWARD
 from dynmo_lightning.pipeline.sharding import FSDP_MODES
 from dynmo_lightning.pipeline.sharding import MODES as DATA_PARALLEL
 from dynmo_lightning.pipeline.split import PARTITIONS, initial_partition
-from dynmo_lightning.protocol import JobShape, PipelineModule, PreLaunchCheck, ProtocolError, check_protocol
+from dynmo_lightning.pipeline.tensor_parallel import HOOK as TP_HOOK
+from dynmo_lightning.pipeline.tensor_parallel import builtin_plan
+from dynmo_lightning.pipeline.worlds import end_world_at_exit
 from dynmo_lightning.recompute import checkpoint_policy
 
 
@@ -44,6 +47,7 @@ def check_arguments(
     heartbeat_timeout: float,
     activation_checkpointing: Any = None,
     data_parallel: Any = "ddp",
+    tensor_parallel_size: Any = 1,
 ) -> None:
     """Refuse bad ``DynMoStrategy`` arguments with a message naming the setting.
 
@@ -68,6 +72,15 @@ def check_arguments(
         raise ValueError(
             f"strategy.data_parallel={data_parallel!r} is not one of {list(DATA_PARALLEL)} (ddp: whole stages "
             "per replica; fsdp: FSDP2 shards every layer over the replicas; replicate: torch's FSDP-based replicate)"
+        )
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"strategy.tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
+    if tensor_parallel_size > 1 and data_parallel_size > 1 and data_parallel == "ddp":
+        # DDP's reducer averages plain tensors; split layers hold DTensors, which FSDP2's units reduce (2-D).
+        raise ValueError(
+            f"strategy.tensor_parallel_size={tensor_parallel_size} with data_parallel_size={data_parallel_size} "
+            "needs strategy.data_parallel='fsdp' (or 'replicate'): DDP cannot average the gradients of layers split "
+            "over processes (DTensors)."
         )
     checkpoint_policy(activation_checkpointing)
     if schedule in SPLIT_BACKWARD:
@@ -94,13 +107,15 @@ def check_split_backward(
         )
 
 
-def check_world(world_size: int, data_parallel_size: int) -> None:
-    """Refuse a job whose processes do not divide into equal pipeline replicas."""
-    if world_size % data_parallel_size:
+def check_world(world_size: int, data_parallel_size: int, tensor_parallel_size: int = 1) -> None:
+    """Refuse a job whose processes do not divide into equal pipeline replicas of equally split stages."""
+    if world_size % (data_parallel_size * tensor_parallel_size):
+        split = f" x tensor_parallel_size={tensor_parallel_size}" if tensor_parallel_size > 1 else ""
         raise ValueError(
-            f"strategy.data_parallel_size={data_parallel_size} does not divide the job's {world_size} processes "
-            "(Trainer devices x num_nodes): every replica needs the same number of pipeline stages. Use a divisor "
-            f"of {world_size}, or change the number of processes."
+            f"strategy.data_parallel_size={data_parallel_size}{split} does not divide the job's {world_size} "
+            "processes (Trainer devices x num_nodes): every replica needs the same number of pipeline stages, each "
+            f"split over the same number of processes. Use sizes whose product divides {world_size}, or change the "
+            "number of processes."
         )
 
 
@@ -228,6 +243,26 @@ def check_units(layers: Sequence[nn.Module], data_parallel: str, schedule: str) 
             )
 
 
+def check_tensor_parallel(module: Any, layers: Sequence[nn.Module], size: int) -> None:
+    """Refuse layers the built-in tensor-parallel plans cannot split evenly over ``size`` processes, or cannot split.
+
+    A module with its own ``pipeline_parallelize_layer`` answers for its plan itself.
+
+    Raises:
+        ValueError: heads or an MLP's width that ``size`` does not divide, or no layer a built-in plan splits (every
+            process of a stage would compute the same); the message names the setting and the fix.
+    """
+    if size == 1 or callable(getattr(module, TP_HOOK, None)):
+        return
+    if not [plan for layer in layers if (plan := builtin_plan(layer, size))]:
+        raise ValueError(
+            f"strategy.tensor_parallel_size={size} splits nothing: no layer of {type(module).__name__} has a built-in "
+            f"plan (the reference GPT's blocks, Hugging Face Llama / Mistral / Qwen2 / GPT-2 layers), and it has no "
+            f"{TP_HOOK}(index, layer, tp_mesh) to split its own (docs/usage.md). Write one, or use "
+            "strategy.tensor_parallel_size=1"
+        )
+
+
 def batch_sizes(args: Iterable[Any]) -> list[int]:
     """Batch sizes of the dataloaders (and a datamodule's ``batch_size``) among a Trainer call's arguments."""
     sizes = []
@@ -263,9 +298,10 @@ def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
     """
     module = call_args[0] if call_args else None
     world_size = strategy.num_nodes * strategy.num_processes
-    check_world(world_size, strategy.data_parallel_size)
+    tp = strategy.settings.tensor_parallel_size
+    check_world(world_size, strategy.data_parallel_size, tp)
     check_backend(strategy.process_group_backend, strategy.parallel_devices or [])
-    pp_size, sizes = world_size // strategy.data_parallel_size, None
+    pp_size, sizes = world_size // (strategy.data_parallel_size * tp), None
     data_parallel = strategy.settings.data_parallel
     if isinstance(module, pl.LightningModule):
         check_model(module)
@@ -274,6 +310,7 @@ def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
         sizes = layer_param_bytes(layers)
         if layers is not None:
             check_units(layers, data_parallel, strategy.schedule)
+            check_tensor_parallel(module, layers, tp)
         if sizes is not None:
             initial_partition(
                 strategy.partition,
@@ -284,7 +321,7 @@ def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
                 n_microbatches=strategy.n_microbatches,
             )
     check_batch_sizes(call_args[1:], strategy.n_microbatches)
-    job = JobShape(world_size, pp_size, strategy.stages_per_rank, sizes, data_parallel)
+    job = JobShape(world_size, pp_size, strategy.stages_per_rank, sizes, data_parallel, tp)
     for callback in trainer.callbacks:
         if isinstance(callback, PreLaunchCheck):
             callback.pipeline_check_job(job)

@@ -13,8 +13,9 @@ from collections.abc import Collection, Sequence
 
 from torch import nn
 
+from dynmo_lightning.core.context import is_probing, stage_forward
+from dynmo_lightning.core.layer_calls import call_layer
 from dynmo_lightning.profiling import LayerProfiler
-from dynmo_lightning.protocol import call_layer, is_probing, stage_forward
 from dynmo_lightning.recompute import checkpointed_call, shared_recomputation
 
 

@@ -1,12 +1,13 @@
-"""Who is who in a DP x PP job: pipeline replicas, their data shards and batch parts, and THE rank mapping.
+"""Who is who in a DP x PP x TP job: pipeline replicas, tensor-parallel groups, data shards and THE rank mapping.
 
 Also how the user's dataloaders are sharded over the replicas (:func:`shard_dataloader`).
 
-A job of ``W`` processes runs ``D`` replicas of a pipeline of ``P`` processes. :class:`ReplicaLayout` holds, per
-replica, the global ranks of its pipeline by pipeline rank (the rows of the ``("dp", "pp")`` device mesh), the data
-shard its sampler reads and which part of that shard's batches it trains on (replicas grown from released processes
-split the batches of the replica they came from). Every translation between a pipeline rank and a global rank goes
-through :meth:`ReplicaLayout.global_rank`. :func:`make_mesh` creates the process groups of a layout, and
+A job of ``W`` processes runs ``D`` replicas of a pipeline of ``P`` stages, each stage split over ``T`` processes
+(tensor parallelism; ``T = 1`` without it). :class:`ReplicaLayout` holds the ``D T`` pipelines' global ranks by
+pipeline rank (the ``("dp", "pp", "tp")`` device mesh, row by row), the data shard each replica's sampler reads and
+which part of that shard's batches it trains on (replicas grown from released processes split the batches of the
+replica they came from). Every translation between a pipeline rank and a global rank goes through
+:meth:`ReplicaLayout.global_rank`. :func:`make_mesh` creates the process groups of a layout, and
 :func:`group_device` is THE choice of the device a group's tensors live on.
 """
 
@@ -30,28 +31,42 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaLayout:
-    """Replicas of the pipeline and the data each one trains on.
+    """Replicas of the pipeline, the tensor-parallel groups inside them, and the data each replica trains on.
+
+    A job of ``D x P x T`` processes runs ``D`` replicas of a pipeline of ``P`` stages whose every stage is split
+    over ``T`` processes (tensor parallelism, innermost: process ``(d, p, t)`` has global rank ``(d P + p) T + t``,
+    as torchtitan and Megatron lay out their meshes). The ``T`` processes of a stage compute together, so each
+    replica runs ``T`` pipelines side by side, one per tensor-parallel rank ``t``, each sending its activations to
+    the process of the same ``t`` on the next stage. Those ``D T`` pipelines are the :attr:`replicas` rows.
 
     Attributes:
-        replicas: per replica, the global ranks of its pipeline by pipeline rank.
-        shards: per replica, ``(shard, n_shards)`` of the dataset its sampler reads.
+        replicas: per pipeline, the global ranks of its processes by pipeline rank; row ``d T + t`` is replica
+            ``d``'s pipeline of tensor-parallel rank ``t``.
+        shards: per replica (``D`` of them), ``(shard, n_shards)`` of the dataset its sampler reads.
         parts: per replica, ``(part, n_parts)``: the contiguous part of its shard's batches it trains on.
+        tp_size: processes a stage is split over (``T``); the ``T`` rows of a replica read the same data.
     """
 
     replicas: list[list[int]]
     shards: list[tuple[int, int]]
     parts: list[tuple[int, int]]
+    tp_size: int = 1
 
     @classmethod
-    def even(cls, world_size: int, data_parallel_size: int) -> ReplicaLayout:
-        """``data_parallel_size`` replicas on consecutive ranks, each reading its own shard whole."""
-        d, p = data_parallel_size, world_size // data_parallel_size
-        return cls([list(range(i * p, (i + 1) * p)) for i in range(d)], [(i, d) for i in range(d)], [(0, 1)] * d)
+    def even(cls, world_size: int, data_parallel_size: int, tensor_parallel_size: int = 1) -> ReplicaLayout:
+        """``data_parallel_size`` replicas on consecutive ranks, each reading its own shard whole.
+
+        Inside a replica the ``tensor_parallel_size`` processes of a stage are consecutive (the fastest links).
+        """
+        d, t = data_parallel_size, tensor_parallel_size
+        p = world_size // (d * t)
+        rows = [[(i * p + r) * t + j for r in range(p)] for i in range(d) for j in range(t)]
+        return cls(rows, [(i, d) for i in range(d)], [(0, 1)] * d, t)
 
     @property
     def dp_size(self) -> int:
         """Number of replicas."""
-        return len(self.replicas)
+        return len(self.replicas) // self.tp_size
 
     @property
     def pp_size(self) -> int:
@@ -65,29 +80,42 @@ class ReplicaLayout:
 
     @property
     def order(self) -> list[int]:
-        """Every global rank of the job, replica by replica, in pipeline order."""
+        """Every global rank of the job, pipeline by pipeline (row by row), in pipeline order."""
         return [rank for replica in self.replicas for rank in replica]
+
+    def row(self, global_rank: int) -> int:
+        """Index of the pipeline (row of :attr:`replicas`) ``global_rank`` belongs to."""
+        return next(i for i, ranks in enumerate(self.replicas) if global_rank in ranks)
 
     def dp_rank(self, global_rank: int) -> int:
         """Index of the replica ``global_rank`` belongs to."""
-        return next(d for d, ranks in enumerate(self.replicas) if global_rank in ranks)
+        return self.row(global_rank) // self.tp_size
+
+    def tp_rank(self, global_rank: int) -> int:
+        """Tensor-parallel rank of ``global_rank`` within its stage."""
+        return self.row(global_rank) % self.tp_size
 
     def pp_rank(self, global_rank: int) -> int:
         """Pipeline rank of ``global_rank`` within its replica."""
-        return self.replicas[self.dp_rank(global_rank)].index(global_rank)
+        return self.replicas[self.row(global_rank)].index(global_rank)
 
-    def global_rank(self, pp_rank: int, dp_rank: int) -> int:
-        """Global rank of pipeline rank ``pp_rank`` of replica ``dp_rank``."""
-        return self.replicas[dp_rank][pp_rank]
+    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
+        """Global rank of pipeline rank ``pp_rank`` of replica ``dp_rank``, tensor-parallel rank ``tp_rank``."""
+        return self.replicas[dp_rank * self.tp_size + tp_rank][pp_rank]
 
-    def stage_ranks(self, pp_rank: int) -> list[int]:
-        """Global ranks holding pipeline rank ``pp_rank`` in every replica (the stage's replica group)."""
-        return [replica[pp_rank] for replica in self.replicas]
+    def stage_ranks(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
+        """Global ranks holding the same part of pipeline rank ``pp_rank`` in every replica (its replica group)."""
+        return [self.global_rank(pp_rank, d, tp_rank) for d in range(self.dp_size)]
+
+    def tp_ranks(self, pp_rank: int, dp_rank: int) -> list[int]:
+        """Global ranks that split pipeline rank ``pp_rank`` of replica ``dp_rank`` (its tensor-parallel group)."""
+        return [self.global_rank(pp_rank, dp_rank, t) for t in range(self.tp_size)]
 
     def renumbered(self) -> ReplicaLayout:
         """The layout in a new world whose ranks are this layout's :attr:`order` (0, 1, ...)."""
         new = {rank: i for i, rank in enumerate(self.order)}
-        return ReplicaLayout([[new[r] for r in replica] for replica in self.replicas], self.shards, self.parts)
+        rows = [[new[r] for r in replica] for replica in self.replicas]
+        return ReplicaLayout(rows, self.shards, self.parts, self.tp_size)
 
     def take_part(self, dp_rank: int, batch: Any) -> Any:
         """Replica ``dp_rank``'s contiguous part of a training batch its shard delivered (tensors cut on dim 0)."""
@@ -114,6 +142,7 @@ class ReplicaLayout:
             The new layout (in the current global ranks) and the ``(src, dst)`` global-rank pairs whose layers must
             be copied to make the new replicas.
         """
+        assert self.tp_size == 1, "consolidation is refused under tensor parallelism before launch"
         replicas: list[list[int]] = []
         shards: list[tuple[int, int]] = []
         parts: list[tuple[int, int]] = []
@@ -256,7 +285,7 @@ class Mesh:
 
     Attributes:
         pipeline: this process's pipeline.
-        dp_group: this process's stage across the replicas (``None`` with one replica).
+        dp_group: this process's part of its stage across the replicas (``None`` with one replica).
         control: the job's CPU (gloo) group of all processes (``None``: the default group, which is gloo then).
         layout: the layout the groups were made for.
         device_type: the processes' device type (of :attr:`device_mesh`).
@@ -264,6 +293,10 @@ class Mesh:
             gloo; ``None`` with one replica).
         replica_group: the group FSDP2 / replicate units of this process's stage work over: :attr:`dp_group`, or
             with one replica a group of this process alone (``None`` when no units were asked for).
+        tp_group: the processes this one splits its stage with (``None`` without tensor parallelism).
+        stage_control: a CPU group of every process of this pipeline rank, in every replica and tensor-parallel
+            rank (``None`` without tensor parallelism: :attr:`dp_control` is that group then). Host data every
+            pipeline must agree on (the layer costs the balancer plans from) is averaged over it.
     """
 
     pipeline: PipelineGroup
@@ -273,33 +306,55 @@ class Mesh:
     device_type: str
     dp_control: dist.ProcessGroup | None = None
     replica_group: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None
+    stage_control: dist.ProcessGroup | None = None
 
     @functools.cached_property
     def replica_mesh(self) -> Any:
-        """The 1-D ``DeviceMesh`` of :attr:`replica_group` (the replicas of this stage, in replica order)."""
+        """The 1-D ``DeviceMesh`` of :attr:`replica_group` (the replicas of this stage, in replica order).
+
+        Under tensor parallelism the ``"dp"`` dimension of :attr:`device_mesh`: FSDP2 shards a tensor-parallel
+        parameter over both only when the two meshes come from one.
+        """
         from torch.distributed.device_mesh import DeviceMesh
 
         if self.replica_group is None:
             raise ValueError("the mesh was made without replica groups for FSDP2 / replicate units")
-        ranks = self.layout.stage_ranks(self.pipeline.rank)
+        if self.tp_group is not None:
+            return self.device_mesh["dp"]
+        layout, pipe = self.layout, self.pipeline
+        ranks = layout.stage_ranks(pipe.rank, layout.tp_rank(pipe.global_rank(pipe.rank)))
         return DeviceMesh.from_group(self.replica_group, self.device_type, mesh=ranks, mesh_dim_names=("dp",))
+
+    @property
+    def tp_mesh(self) -> Any:
+        """The 1-D ``DeviceMesh`` of :attr:`tp_group` (``"tp"`` of :attr:`device_mesh`), where layers are split."""
+        if self.tp_group is None:
+            raise ValueError("the mesh was made without tensor parallelism")
+        return self.device_mesh["tp"]
 
     @functools.cached_property
     def device_mesh(self) -> Any:
-        """The ``("dp", "pp")`` ``DeviceMesh`` over the same groups, made on first use (not collective).
+        """The ``("dp", "pp")`` ``DeviceMesh`` over the same groups, ``("dp", "pp", "tp")`` under tensor parallelism.
 
-        With one replica the ``"dp"`` dimension is a one-process gloo group that only this process creates: nothing
-        in the job uses it, and a one-rank NCCL group would cost a world-wide communicator split per rank.
+        Made on first use (not collective). With one replica the ``"dp"`` dimension is :attr:`replica_group` where
+        units need one, else a one-process gloo group that only this process creates: nothing in the job uses it,
+        and a one-rank NCCL group would cost a world-wide communicator split per rank.
         """
         from torch.distributed.device_mesh import DeviceMesh
 
-        pipe, dp = self.pipeline, self.dp_group
+        pipe, layout = self.pipeline, self.layout
+        dp = self.dp_group or self.replica_group
         if dp is None:
             own = [pipe.global_rank(pipe.rank)]
             dp = dist.new_group(own, backend="gloo", use_local_synchronization=True)
         pp = pipe.group if pipe.group is not None else _group.WORLD
-        layout = self.layout
-        return DeviceMesh.from_group([dp, pp], self.device_type, mesh=layout.replicas, mesh_dim_names=("dp", "pp"))
+        if self.tp_group is None:
+            return DeviceMesh.from_group([dp, pp], self.device_type, mesh=layout.replicas, mesh_dim_names=("dp", "pp"))
+        ranks = [[layout.tp_ranks(p, d) for p in range(layout.pp_size)] for d in range(layout.dp_size)]
+        return DeviceMesh.from_group(
+            [dp, pp, self.tp_group], self.device_type, mesh=ranks, mesh_dim_names=("dp", "pp", "tp")
+        )
 
 
 def make_mesh(
@@ -307,14 +362,14 @@ def make_mesh(
 ) -> Mesh:
     """Create the groups of ``layout`` (collective: every process of the job makes every group, in the same order).
 
-    Only the groups something uses are made: with one replica the pipeline is the default group and there are no
-    replica groups. With NCCL, CPU control groups are made too: one of the whole job and, with replicas, one per
-    pipeline; these are made by their members only (with a device-bound NCCL default group, a non-member's
+    Only the groups something uses are made: with one pipeline the pipeline is the default group and there are no
+    replica groups. With NCCL, CPU control groups are made too: one of the whole job and, with several pipelines,
+    one per pipeline; these are made by their members only (with a device-bound NCCL default group, a non-member's
     ``new_group`` would join an NCCL communicator split the members never enter). The groups get the strategy's
     timeout (torch's default is 30 minutes).
 
     Args:
-        layout: the replicas.
+        layout: the replicas (and tensor-parallel groups).
         global_rank: this process's rank.
         timeout: timeout of every group.
         device: where this process's layers live.
@@ -331,31 +386,43 @@ def make_mesh(
             f"process_group_backend={str(dist.get_backend())!r} sends CPU tensors only, and this process's layers are "
             f"on {device}: use 'nccl' (the default for CUDA devices)."
         )
-    d = layout.dp_size
+    d, t, rows = layout.dp_size, layout.tp_size, len(layout.replicas)
     host = wire.type == "cpu"  # gloo groups: they carry host data themselves
+
+    def groups(all_ranks: list[list[int]]) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        """Every group of ``all_ranks`` (and its CPU twin); this process's pair."""
+        mine = (None, None)
+        for ranks in all_ranks:
+            group = dist.new_group(ranks, timeout=timeout)
+            cpu = (
+                group
+                if host
+                else dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+            )
+            if global_rank in ranks:
+                mine = (group, cpu)
+        return mine
+
     control = None if host else dist.new_group(backend="gloo", timeout=timeout)
-    pp_group = pp_control = dp_group = None
-    for ranks in layout.replicas if d > 1 else []:
-        group = dist.new_group(ranks, timeout=timeout)
-        cpu = group if host else dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+    pp_group, pp_control = groups(layout.replicas if rows > 1 else [])
+    p = layout.pp_size
+    dp_group, dp_control = groups([layout.stage_ranks(s, j) for s in range(p) for j in range(t)] if d > 1 else [])
+    tp_group, _ = groups([layout.tp_ranks(s, i) for i in range(d) for s in range(p)] if t > 1 else [])
+    stage_control = None
+    for s in range(p) if t > 1 and rows > 1 else []:
+        ranks = [row[s] for row in layout.replicas]
+        group = dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=not host)
         if global_rank in ranks:
-            pp_group, pp_control = group, cpu
-    dp_control = None
-    for stage in range(layout.pp_size) if d > 1 else []:
-        ranks = layout.stage_ranks(stage)
-        group = dist.new_group(ranks, timeout=timeout)
-        cpu = group if host else dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
-        if global_rank in ranks:
-            dp_group, dp_control = group, cpu
-    dp = layout.dp_rank(global_rank)
-    # One replica: the pipeline is the default group (as before data parallelism existed).
+            stage_control = group
+    row = layout.row(global_rank)
+    # One pipeline: the pipeline is the default group (as before data and tensor parallelism existed).
     pipeline = PipelineGroup(
-        layout.pp_rank(global_rank), pp_group, list(layout.replicas[dp]), pp_control if d > 1 else control, wire
+        layout.pp_rank(global_rank), pp_group, list(layout.replicas[row]), pp_control if rows > 1 else control, wire
     )
     replica_group = dp_group
     if unit_groups and d == 1:
         replica_group = _own_group(global_rank, layout.order, host, timeout)
-    return Mesh(pipeline, dp_group, control, layout, device.type, dp_control, replica_group)
+    return Mesh(pipeline, dp_group, control, layout, device.type, dp_control, replica_group, tp_group, stage_control)
 
 
 def _own_group(global_rank: int, order: list[int], host: bool, timeout: timedelta) -> dist.ProcessGroup:

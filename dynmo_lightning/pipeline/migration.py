@@ -132,10 +132,10 @@ class _Packer(pickle.Pickler):
 
 
 class _Unpacker(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: list[Tensor], mesh: Callable[[], Any] | None) -> None:
+    def __init__(self, file: io.BytesIO, tensors: list[Tensor], mesh_of: Callable[[tuple], Any] | None) -> None:
         super().__init__(file)
         self._tensors = tensors
-        self._mesh = mesh
+        self._mesh_of = mesh_of
         self._made: dict[int, Tensor] = {}
         #: The received shard of every sharded parameter, by its (meta) placeholder's id.
         self.shards: dict[int, Tensor] = {}
@@ -145,9 +145,9 @@ class _Unpacker(pickle.Unpickler):
         if key not in self._made:
             t = self._tensors[key]
             if spec:
-                if self._mesh is None:
+                if self._mesh_of is None:
                     raise RuntimeError("a sharded layer arrived at a process whose layers are not sharded")
-                t = ShardedPickling.dtensor_load(t, spec[0], is_param, self._mesh())
+                t = ShardedPickling.dtensor_load(t, spec[0], is_param, self._mesh_of)
             made = nn.Parameter(t, requires_grad=requires_grad) if is_param else t.requires_grad_(requires_grad)
             if spec and is_param:
                 self.shards[id(made)] = self._tensors[key]
@@ -163,9 +163,9 @@ def _pack(obj: Any, device: torch.device) -> tuple[bytes, list[Tensor]]:
     return f.getvalue(), [t.contiguous() for t in packer.tensors]
 
 
-def _unpack(blob: bytes, tensors: list[Tensor], mesh: Callable[[], Any] | None = None) -> tuple[Any, dict]:
+def _unpack(blob: bytes, tensors: list[Tensor], mesh_of: Callable[[tuple], Any] | None = None) -> tuple[Any, dict]:
     """The object :func:`_pack` pickled, over ``tensors``; and the shards of its sharded parameters (by id)."""
-    unpacker = _Unpacker(io.BytesIO(blob), tensors, mesh)
+    unpacker = _Unpacker(io.BytesIO(blob), tensors, mesh_of)
     return unpacker.load(), unpacker.shards
 
 
@@ -216,15 +216,15 @@ def unpack_layers(
 ) -> dict[int, tuple[nn.Module, dict]]:
     """The layers of a :func:`pack_layers` message over ``tensors`` (as received), with their optimizer entries.
 
-    Layers sent as FSDP2 / replicate units are units again over the receiver's replicas (``sharding``), holding
-    the shards that came. :func:`add_to_optimizers` puts a layer's parameters and state into the receiver's
-    optimizers.
+    Layers sent as FSDP2 / replicate units (or split over a tensor-parallel group) are units (split) again over the
+    receiver's groups (``sharding``), holding the parts that came. :func:`add_to_optimizers` puts a layer's
+    parameters and state into the receiver's optimizers.
     """
-    mesh = sharding.mesh if sharding is not None and sharding.units else None
-    layers, shards = _unpack(blob, tensors, mesh)
+    parts = sharding is not None and (sharding.units or sharding.tensor_parallel is not None)
+    layers, shards = _unpack(blob, tensors, sharding.mesh_of if parts else None)
     if shards:
         assert sharding is not None
-        layers = {i: (sharding.adopt(module, shards), entries) for i, (module, entries) in layers.items()}
+        layers = {i: (sharding.adopt(i, module, shards), entries) for i, (module, entries) in layers.items()}
     return layers
 
 

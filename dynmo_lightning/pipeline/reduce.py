@@ -21,10 +21,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from dynmo_lightning.core.context import on_host
+from dynmo_lightning.core.host_values import has_host_value, host_value, set_host_value
+from dynmo_lightning.core.parts import held_parts, local_part
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.profiling import LayerCost, static_memory
-from dynmo_lightning.protocol import has_host_value, host_value, local_part, on_host, set_host_value
 
 
 def share_loss(loss: Tensor | None, pipe: PipelineGroup, last_rank: int) -> Tensor:
@@ -118,11 +120,22 @@ def replicas_in_sync(state: dict[str, Tensor], dp_group: dist.ProcessGroup | Non
     return bool(flag.item())
 
 
+def held_share(p: Tensor, holders: int) -> float:
+    """The weight of a process's part of ``p`` in a sum over the ``holders`` processes of its stage.
+
+    The stage's ``holders`` processes (its replicas times its tensor-parallel processes) hold ``p`` in
+    :func:`~dynmo_lightning.protocol.held_parts` distinct parts, each part on ``holders / parts`` of them: a sum over
+    the ``holders`` of every process's part times ``parts / holders`` counts every element once.
+    """
+    return held_parts(p) / holders
+
+
 def param_norm(
     named: Sequence[tuple[str, Tensor]],
     counted: Callable[[str], bool],
     pipe: PipelineGroup,
-    shards: dist.ProcessGroup | None = None,
+    shards: Sequence[dist.ProcessGroup] = (),
+    holders: int = 1,
 ) -> float:
     """L2 norm (float64) of the whole model's parameters, each stage summing its own (collective over the pipeline).
 
@@ -130,15 +143,18 @@ def param_norm(
         named: this stage's ``(name, parameter)``.
         counted: whether this stage counts a parameter (a tied one is counted by one of its owners only).
         pipe: the pipeline (the sum is reduced on its device).
-        shards: the replicas, when each holds a shard of the stage's parameters (FSDP2): summed over them too.
+        shards: the groups over which the ``holders`` processes of each stage hold parts of its parameters (FSDP2's
+            replicas, the tensor-parallel group): each part weighted by :func:`held_share`, summed over them too.
+        holders: processes holding each stage (in ``shards``).
     """
     sq = torch.zeros((), dtype=torch.float64, device=pipe.device)
     for name, p in named:
         if counted(name):
-            sq += local_part(p).detach().to(torch.float64).square().sum()
+            part = local_part(p).detach().to(torch.float64).square().sum()
+            sq += part * held_share(p, holders) if shards else part
     dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pipe.group)
-    if shards is not None:
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=shards)
+    for group in shards:
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
     return math.sqrt(float(sq))
 
 
@@ -157,23 +173,28 @@ class GlobalNormClipping:
     index tensors on the device are made once per layout (the filled slots), not every step: in steady state a
     clipping step neither copies from the host nor synchronises the device.
 
-    Gradients sharded over the replicas (FSDP2: each process holds ``1/D`` of each) enter as their squared norms,
-    and the table is summed over the whole job instead of the pipeline: still one collective, and every slot then
-    holds the square of the whole gradient's norm (of its copies' sum, for a tie).
+    Gradients held in parts (FSDP2 shards them over the replicas, tensor parallelism splits layers over the
+    processes of a stage) enter as their squared norms, each weighted by its share (:func:`held_share`: a part
+    every one of ``holders`` processes of the stage holds alike counts ``1 / holders``), and the table is summed
+    over the whole job instead of the pipeline: still one collective, and every slot then holds the square of the
+    whole gradient's norm (of its copies' sum, for a tie).
 
     Attributes:
         param_order: names of all parameters of the unsplit model, in its order.
         names: returns ``id(param) -> name`` in the unsplit model (a tie's copies share the canonical name).
         pipe: returns this process's pipeline (it changes when the world shrinks): its groups and device.
-        sharded: whether each replica holds a shard of every gradient (``data_parallel="fsdp"``).
+        sharded: whether gradients are held in parts (``data_parallel="fsdp"``, or tensor parallelism).
+        holders: processes holding each stage (replicas times tensor-parallel processes) when ``sharded``.
     """
 
     param_order: list[str]
     names: Callable[[], dict[int, str]]
     pipe: Callable[[], PipelineGroup]
     sharded: bool = False
+    holders: int = 1
     _local: dict[tuple[tuple[int, ...], torch.device], Tensor] = dataclasses.field(default_factory=dict, repr=False)
     _global: dict[bytes, tuple[Tensor, Tensor | None]] = dataclasses.field(default_factory=dict, repr=False)
+    _weights: dict[tuple[tuple[float, ...], torch.device], Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
     def __call__(self, optimizer: Optimizer, clip_val: float) -> None:
         """Scale the local gradients of ``optimizer`` so the global norm is at most ``clip_val``."""
@@ -196,7 +217,12 @@ class GlobalNormClipping:
         table = torch.zeros(size, dtype=torch.float64, device=device)
         if params:
             norms = self._norms(trainable, device)
-            table.index_copy_(0, self._device_index(tuple(slots), device), norms.square() if self.sharded else norms)
+            if self.sharded:
+                norms = norms.square()
+                shares = tuple(held_share(p, self.holders) for p in trainable)
+                if any(share != 1.0 for share in shares):  # parts some processes hold alike (tensor parallelism)
+                    norms = norms * self._shares(shares, device)
+            table.index_copy_(0, self._device_index(tuple(slots), device), norms)
         # on an accelerator, runs while the host sums which slots are filled (below)
         dist.all_reduce(table, op=dist.ReduceOp.SUM, group=None if self.sharded else pipe.group)
         copies = self._copies(slots, size, pipe)
@@ -242,6 +268,14 @@ class GlobalNormClipping:
                 self._local.clear()  # one layout at a time
             self._local[key] = torch.tensor(slots, dtype=torch.long, device=device)
         return self._local[key]
+
+    def _shares(self, shares: tuple[float, ...], device: torch.device) -> Tensor:
+        """The parameters' :func:`held_share` on ``device``, made once per layout (no copy from the host per step)."""
+        key = (shares, device)
+        if key not in self._weights:
+            self._weights.clear()
+            self._weights[key] = torch.tensor(shares, dtype=torch.float64, device=device)
+        return self._weights[key]
 
     def _copies(self, slots: list[int], size: int, pipe: PipelineGroup) -> Any:
         """How many stages fill each slot (a NumPy array): the stages' slots summed over the host group."""

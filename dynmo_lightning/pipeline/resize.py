@@ -29,6 +29,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch.optim import Optimizer
 
 from dynmo_lightning import balance
+from dynmo_lightning.core.control import PipelineControl
 from dynmo_lightning.pipeline import elastic, groups, release
 from dynmo_lightning.pipeline.elastic import ElasticWorld
 from dynmo_lightning.pipeline.layout import Mesh, ReplicaLayout
@@ -36,7 +37,6 @@ from dynmo_lightning.pipeline.migration import MigrationStats
 from dynmo_lightning.pipeline.runtime import StagePlan
 from dynmo_lightning.pipeline.stages import LocalStages
 from dynmo_lightning.pipeline.watchdog import Heartbeats
-from dynmo_lightning.protocol import PipelineControl
 
 
 class ResizeHost(PipelineControl, Protocol):
@@ -49,6 +49,7 @@ class ResizeHost(PipelineControl, Protocol):
         cluster_environment: the current world's environment (main address, ranks); set to the resized one.
         num_nodes: nodes running the job; set to the new world's.
         data_parallel_size: the replicas the job started with.
+        tensor_parallel_size: the processes every stage is split over.
         heartbeat_timeout: seconds of silence after which a process counts as lost.
         process_group_backend: the backend of the new world (``None``: gloo).
     """
@@ -56,6 +57,7 @@ class ResizeHost(PipelineControl, Protocol):
     cluster_environment: ClusterEnvironment | None
     num_nodes: int
     data_parallel_size: int
+    tensor_parallel_size: int
     heartbeat_timeout: float
     process_group_backend: str | None
 
@@ -124,7 +126,8 @@ class Resizer:
         """Run in the first world: the even layout, every process's node, the heartbeats (collective)."""
         environment = self._host.cluster_environment
         assert environment is not None
-        self._use_layout(ReplicaLayout.even(self._host.world_size, self._host.data_parallel_size))
+        host = self._host
+        self._use_layout(ReplicaLayout.even(host.world_size, host.data_parallel_size, host.tensor_parallel_size))
         self.elastic.start(node_rank)
         self.heartbeats.start(environment, *groups.host_stores(1, environment.main_address, self._timeout))
 

@@ -45,13 +45,14 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from dynmo_lightning.balance.placement import V_SCHEDULES, stage_ranks
+from dynmo_lightning.core.context import probing
+from dynmo_lightning.core.layer_calls import as_tuple
 from dynmo_lightning.pipeline import transport
 from dynmo_lightning.pipeline.compiled import is_compiled
 from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.pipeline.sharding import StageSharding
 from dynmo_lightning.profiling import LayerProfiler
-from dynmo_lightning.protocol import as_tuple, probing
 from dynmo_lightning.recompute import Policy
 
 #: What ``DynMoStrategy(schedule=...)`` accepts (the keys of :data:`SCHEDULES`).

@@ -48,6 +48,11 @@ class StrategySettings:
     gradients), ``"fsdp"`` (FSDP2 shards every layer's weights, gradients and optimizer state over the replicas:
     ``1/D`` per process) or ``"replicate"`` (torch's FSDP-based replicate: whole layers, FSDP2's hooks). The two
     last also run the zero-bubble schedules with replicas (docs/scale_out.md)."""
+    tensor_parallel_size: int = 1
+    """Processes every stage is split over (tensor parallelism, innermost in the job's mesh: consecutive ranks). Each
+    pipeline layer is split by the model's ``pipeline_parallelize_layer(index, layer, tp_mesh)`` hook, or by the
+    built-in plan of the reference GPT and the Hugging Face Llama / Mistral / Qwen2 / GPT-2 layers; the number of
+    processes must be a multiple of ``data_parallel_size * tensor_parallel_size`` (docs/scale_out.md)."""
     timeout: float | timedelta = 300.0
     """Seconds (or a ``timedelta``) before any collective or point-to-point operation gives up."""
     heartbeat_timeout: float = 15.0
@@ -71,7 +76,7 @@ class StrategySettings:
     def __post_init__(self) -> None:
         launcher.check_arguments(
             self.n_microbatches, self.schedule, self.partition, self.stages_per_rank, self.data_parallel_size,
-            self.heartbeat_timeout, self.activation_checkpointing, self.data_parallel,
+            self.heartbeat_timeout, self.activation_checkpointing, self.data_parallel, self.tensor_parallel_size,
         )  # fmt: skip
         if not isinstance(self.partition, str):  # a Hydra ListConfig, a tuple: plain integers
             self.partition = [int(n) for n in self.partition]

@@ -20,13 +20,14 @@ import os
 import shutil
 import uuid
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -36,11 +37,14 @@ from dynmo_lightning.pipeline import safe_load
 from dynmo_lightning.pipeline.checkpoint import (
     NAMED_FORMAT,
     check_keys,
+    gather_checkpoint,
+    load_local_state,
     local_optimizer_state,
     merge_named_optimizer_states,
+    shard_optimizer_state,
 )
-from dynmo_lightning.pipeline.layout import PipelineGroup
-from dynmo_lightning.pipeline.sharding import template_like
+from dynmo_lightning.pipeline.layout import Mesh, PipelineGroup
+from dynmo_lightning.pipeline.sharding import full_tensors, template_like
 
 #: Checkpoint formats: ``"sharded"`` (a DCP directory, every stage writes its part), ``"single"`` (one file gathered
 #: on rank 0), ``"auto"`` (sharded when the pipeline has more than one stage).
@@ -70,6 +74,42 @@ def _tensors(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     """The tensors this stage writes: its model state and the per-parameter optimizer states (named format)."""
     optim = {str(i): {"state": dict(o["state"])} for i, o in enumerate(checkpoint.get("optimizer_states") or [])}
     return {"model": dict(checkpoint.get("state_dict", {})), "optim": optim}
+
+
+def save(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike[str],
+    mesh: Mesh,
+    checkpoint_format: str,
+    in_parts: bool,
+    dtensors: bool,
+) -> dict[str, Any] | None:
+    """Write this process's part of ``checkpoint`` (collective over the writers; Lightning's ``save_checkpoint``).
+
+    Pipelines that hold the same tensors (data-parallel replicas) are identical: the first one writes. Where
+    processes hold parts of their layers (``in_parts``: FSDP2 shards, tensor-parallel splits), every process writes
+    its parts of a sharded checkpoint (:func:`save_sharded`). A single file (``checkpoint_format``, or a remote
+    path) holds whole tensors: every process joins in gathering its DTensors (``dtensors``), then the first
+    pipeline's stages are merged.
+
+    Returns:
+        The merged single-file checkpoint on global rank 0 (the caller writes it with its ``CheckpointIO``), else
+        ``None``.
+    """
+    layout, pipe = mesh.layout, mesh.pipeline
+    first = layout.row(pipe.global_rank(pipe.rank)) == 0
+    if not (first or in_parts):
+        return None
+    auto = layout.pp_size > 1 or in_parts
+    split = checkpoint_format == "sharded" or (checkpoint_format == "auto" and auto)
+    if split and "://" not in os.fspath(path):  # DCP's writer is a file system's (remote: one file)
+        writers = (mesh.control, layout.global_rank(0, 0), first) if in_parts else None
+        save_sharded(checkpoint, path, pipe, shards=writers)
+        return None
+    if dtensors:  # one file: whole tensors (gathered over the processes holding their parts)
+        checkpoint["state_dict"] = full_tensors(checkpoint.get("state_dict", {}))
+        checkpoint["optimizer_states"] = full_tensors(checkpoint.get("optimizer_states"))
+    return gather_checkpoint(checkpoint, pipe) if first else None
 
 
 def save_sharded(
@@ -142,6 +182,37 @@ def load_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     meta[SHARDS_KEY] = os.fspath(d)
     meta["state_dict"] = {}  # each stage reads its own part: load_stage_model
     return meta
+
+
+def load_model(
+    module: nn.Module, checkpoint: Mapping[str, Any], global_keys: set[str], strict: bool, group: Any = None
+) -> None:
+    """Load this stage's part of ``checkpoint`` (sharded: from its shards; a single file: its ``state_dict``)."""
+    if SHARDS_KEY in checkpoint:
+        load_stage_model(module, checkpoint[SHARDS_KEY], global_keys, strict, group)
+    else:
+        load_local_state(module, checkpoint["state_dict"], global_keys, strict)
+
+
+def load_optimizers(
+    optimizers: Sequence[Optimizer],
+    checkpoint: Mapping[str, Any],
+    names: Mapping[int, str],
+    group: Any,
+    device: torch.device,
+) -> None:
+    """Load this stage's part of every optimizer's state (by parameter name) into ``optimizers``, on ``device``.
+
+    State of a parameter held in parts (FSDP2, tensor parallelism) is laid out as the parameter.
+    """
+    shards = checkpoint.get(SHARDS_KEY)
+    for i, (optimizer, saved) in enumerate(zip(optimizers, checkpoint["optimizer_states"], strict=True)):
+        if shards is not None:
+            optimizer.load_state_dict(load_stage_optimizer(optimizer, i, saved, shards, names, group))
+        else:
+            optimizer.load_state_dict(local_optimizer_state(saved, optimizer, names))
+        _optimizer_to_device(optimizer, device)
+        shard_optimizer_state(optimizer)
 
 
 def load_stage_model(

@@ -33,14 +33,16 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor import empty as dt_empty
 from torch.nn.parallel import DistributedDataParallel
 
+from dynmo_lightning.core.model import may_leave_parameters_unused
+from dynmo_lightning.core.parts import local_part as local
 from dynmo_lightning.pipeline.compiled import COMPILED
-from dynmo_lightning.protocol import local_part as local
-from dynmo_lightning.protocol import may_leave_parameters_unused
+from dynmo_lightning.pipeline.tensor_parallel import TensorParallel
 
 #: What ``DynMoStrategy(data_parallel=...)`` accepts.
 MODES = ("ddp", "replicate", "fsdp")
@@ -84,6 +86,8 @@ class StageSharding:
         device: where this process's layers live.
         param_dtype: the dtype layers compute in under ``bf16-mixed`` (FSDP2's ``MixedPrecisionPolicy``: the
             sharded parameters and the gradient reduction stay in float32); ``None``: the parameters' own.
+        tensor_parallel: how layers are split over the stage's tensor-parallel group (``None``: they are not), before
+            they become units: FSDP2 then shards every process's part over the replicas (2-D parameters).
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class StageSharding:
         mesh: Callable[[], Any],
         device: torch.device,
         param_dtype: torch.dtype | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"strategy.data_parallel={mode!r} is not one of {list(MODES)}")
@@ -99,12 +104,20 @@ class StageSharding:
         self._mesh = mesh
         self.device = device
         self.param_dtype = param_dtype
+        self.tensor_parallel = tensor_parallel
 
     @classmethod
-    def of(cls, mode: str, mesh: Callable[[], Any], device: torch.device, precision: Any) -> StageSharding:
+    def of(
+        cls,
+        mode: str,
+        mesh: Callable[[], Any],
+        device: torch.device,
+        precision: Any,
+        tensor_parallel: TensorParallel | None = None,
+    ) -> StageSharding:
         """The sharding of ``mode`` under Lightning's ``precision`` plugin: FSDP2 computes in bf16 under bf16-mixed."""
         bf16 = isinstance(precision, MixedPrecision) and precision.precision == "bf16-mixed"
-        return cls(mode, mesh, device, torch.bfloat16 if bf16 and mode in FSDP_MODES else None)
+        return cls(mode, mesh, device, torch.bfloat16 if bf16 and mode in FSDP_MODES else None, tensor_parallel)
 
     @property
     def units(self) -> bool:
@@ -119,6 +132,23 @@ class StageSharding:
     def mesh(self) -> Any:
         """This process's replica mesh (1-D)."""
         return self._mesh()
+
+    def mesh_of(self, dims: tuple[str, ...]) -> Any:
+        """This process's mesh of the dimensions ``dims`` a DTensor that arrived was laid out on.
+
+        ``("dp",)``: the replicas (FSDP2, replicate); ``("tp",)``: the tensor-parallel group; ``("dp", "tp")``: both
+        (FSDP2 over tensor-parallel parts), the mesh FSDP2 itself makes of the two.
+        """
+        if dims == ("dp",):
+            return self.mesh()
+        assert self.tensor_parallel is not None, f"a DTensor on {dims} arrived at a process without tensor parallelism"
+        tp = self.tensor_parallel.mesh()
+        return tp if dims == ("tp",) else DeviceMesh._concatenate([self.mesh(), tp])
+
+    def split(self, index: int, layer: nn.Module) -> None:
+        """Split layer ``index`` over the stage's tensor-parallel group (first of all: before compile and FSDP2)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.split(index, layer)
 
     def _apply(self, module: nn.Module | list[nn.Module]) -> None:
         mp = MixedPrecisionPolicy(
@@ -214,25 +244,30 @@ class StageSharding:
                 fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
 
     # --- migration ----------------------------------------------------------------------------------------------
-    def adopt(self, module: nn.Module, shards: dict[int, Tensor]) -> nn.Module:
-        """Make a layer that arrived as :class:`ShardedPickling` left it a unit again, with the shards it brought.
+    def adopt(self, index: int, module: nn.Module, shards: dict[int, Tensor]) -> nn.Module:
+        """Make layer ``index``, arrived as :class:`ShardedPickling` left it, split and a unit again, with its shards.
 
         Its parameters arrived as meta tensors of their full shape (``shards``: the received shard of each, by the
-        placeholder's ``id``). The layer is sharded over this process's replica group on the meta device (nothing
-        whole is allocated), materialised (FSDP2's meta-device initialisation: each process allocates its shards)
-        and filled with the received shards, which are then freed.
+        placeholder's ``id``). The layer is split over this process's tensor-parallel group and sharded over its
+        replica group on the meta device (nothing whole is allocated), materialised (each process allocates its
+        parts) and filled with the received shards, which are then freed.
         """
         by_name = {name: shards.pop(id(p)) for name, p in module.named_parameters() if id(p) in shards}
         if not by_name:
             return module
         buffers = {(m, n): b for m in module.modules() for n, b in m._buffers.items() if b is not None}
-        self._apply(module)
+        # parameters a tensor-parallel plan leaves whole (norms) arrived whole, with their values
+        whole = {name: p.detach() for name, p in module.named_parameters() if name not in by_name}
+        self.split(index, module)
+        if self.units:
+            self._apply(module)
         module.to_empty(device=self.device)
         for (m, n), b in buffers.items():
             m._buffers[n] = b  # received whole, with their values (``to_empty`` left fresh memory)
         with torch.no_grad():
             for name, p in module.named_parameters():
-                local(p).copy_(by_name.pop(name))  # the received shard goes as soon as it is copied
+                # the received shard goes as soon as it is copied
+                local(p).copy_(by_name.pop(name) if name in by_name else whole.pop(name))
         return module
 
 
@@ -254,6 +289,8 @@ class ShardedPickling:
     def reduce_unit(obj: Any) -> Any:
         """``Pickler.reducer_override``: a unit, or a module inside one, as a plain module without FSDP's hooks.
 
+        The same for a module split by tensor parallelism: its parallel style's hooks stay behind.
+
         ``NotImplemented`` (pickle as usual) for everything else.
         """
         unit = isinstance(obj, FSDPModule)
@@ -269,21 +306,27 @@ class ShardedPickling:
             state[name] = type(state[name])((k, v) for k, v in state[name].items() if k not in drop)
         for key in [k for k in state if k.startswith("__composable_api")]:
             del state[key]
+        state.pop("_distribute_module_applied", None)  # a parallel style's mark: the layer is split again on arrival
         if state.pop(COMPILED, None) is not None:
             state.pop("forward", None)  # compiled again on arrival (pipeline/compiled.py)
         return _new_module, (_plain_class(type(obj)) if unit else type(obj),), state
 
     @staticmethod
     def dtensor_id(t: DTensor) -> tuple[Tensor, tuple[Any, ...]]:
-        """The shard to send and what rebuilds the DTensor: ``(global shape, stride, placements)``."""
-        return local(t).detach(), (tuple(t.shape), tuple(t.stride()), tuple(t.placements))
+        """The shard to send and what rebuilds the DTensor: ``(global shape, stride, placements, mesh dims)``."""
+        dims = tuple(t.device_mesh.mesh_dim_names or ("dp",))
+        return local(t).detach(), (tuple(t.shape), tuple(t.stride()), tuple(t.placements), dims)
 
     @staticmethod
-    def dtensor_load(shard: Tensor, spec: tuple[Any, ...], is_param: bool, mesh: Any) -> Tensor:
-        """A received DTensor: a meta placeholder of its global shape for a parameter, else a DTensor on ``mesh``."""
-        shape, stride, placements = spec
+    def dtensor_load(shard: Tensor, spec: tuple[Any, ...], is_param: bool, mesh_of: Callable[[tuple], Any]) -> Tensor:
+        """A received DTensor: a meta placeholder of its global shape for a parameter, else a DTensor.
+
+        The DTensor lies on this process's mesh of the same dimensions (``mesh_of``: :meth:`StageSharding.mesh_of`).
+        """
+        shape, stride, placements, dims = spec
         if is_param:
             return torch.empty(shape, dtype=shard.dtype, device="meta")
+        mesh = mesh_of(dims)
         return DTensor.from_local(shard, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
@@ -321,12 +364,15 @@ def _hooks(module: nn.Module) -> Iterable[Any]:
     return (h for name in _HOOK_DICTS for h in module.__dict__.get(name, {}).values())
 
 
-#: Where FSDP2's and replicate's hooks come from.
-_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable")
+#: Where FSDP2's, replicate's and tensor parallelism's (``distribute_module``'s input and output) hooks come from.
+_DISTRIBUTED_HOOKS = ("torch.distributed.fsdp", "torch.distributed._composable", "torch.distributed.tensor")
 
 
 def _from_fsdp(hook: Any) -> bool:
-    """Whether a module hook is one of torch.distributed's (FSDP2's own, behind partials and ``_WrappedHook``)."""
+    """Whether a module hook is one of torch.distributed's (FSDP2's, a parallel style's), made again on arrival.
+
+    Found behind partials and ``_WrappedHook``.
+    """
     while isinstance(hook, functools.partial) or hasattr(hook, "hook"):
         hook = hook.func if isinstance(hook, functools.partial) else hook.hook
-    return getattr(getattr(hook, "__func__", hook), "__module__", "").startswith(_FSDP_MODULES)
+    return getattr(getattr(hook, "__func__", hook), "__module__", "").startswith(_DISTRIBUTED_HOOKS)

@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from dynmo_lightning import balance
+from dynmo_lightning.core.layer_init import materialise_layer
+from dynmo_lightning.core.model import ProtocolError, check_protocol
 from dynmo_lightning.pipeline.layers import LayerSlots, RemoteLayer
 from dynmo_lightning.pipeline.runtime import StagePlan, check_schedule
 from dynmo_lightning.pipeline.ties import Tie, find_ties
-from dynmo_lightning.protocol import ProtocolError, check_protocol, materialise_layer
 
 #: Initial partitions that ``DynMoStrategy(partition=...)`` accepts by name (or a list of layers per stage).
 PARTITIONS = ("uniform", "params")

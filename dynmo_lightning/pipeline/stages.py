@@ -20,6 +20,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from dynmo_lightning.core.model import may_leave_parameters_unused
 from dynmo_lightning.pipeline import reduce
 from dynmo_lightning.pipeline.compiled import check_options, compile_layer
 from dynmo_lightning.pipeline.evaluation import EvalOutput
@@ -31,7 +32,6 @@ from dynmo_lightning.pipeline.sharding import StageSharding
 from dynmo_lightning.pipeline.split import count_params, initial_partition, pipeline_layers, split_module
 from dynmo_lightning.pipeline.ties import TiedParameters
 from dynmo_lightning.profiling import release_cached_memory
-from dynmo_lightning.protocol import may_leave_parameters_unused
 from dynmo_lightning.recompute import Policy
 
 
@@ -43,7 +43,7 @@ class LocalStages:
         layers: its pipeline layers.
         plan: the first partition.
         pipe: this process's pipeline.
-        layout: returns the job's replica layout and this process's replica (for the ties' groups).
+        layout: returns the job's replica layout and this process's pipeline, its row (for the ties' groups).
         device: where this stage's layers live.
         seed: base seed of the per-layer initialisation.
         schedule: the schedule's name.
@@ -148,12 +148,15 @@ class LocalStages:
         return self.runtime.sharding
 
     def shard(self) -> None:
-        """Compile (``compile``) and make units of (``data_parallel`` ``"fsdp"``/``"replicate"``) every local layer.
+        """Split, compile and make units of every local layer (``tensor_parallel_size``, ``compile``, ``fsdp``).
 
         Once, after the layers are materialised on their device and before the optimizers see their parameters,
-        and for the layers that arrive by migration; torchtitan's order: compile, then FSDP.
+        and for the layers that arrive by migration; torchtitan's order: tensor parallel, compile, then FSDP.
         """
-        layers = [self.slots.get(i) for i in self.slots.local_indices()]
+        indices = self.slots.local_indices()
+        layers = [self.slots.get(i) for i in indices]
+        for i, layer in zip(indices, layers, strict=True):
+            self.sharding.split(i, layer)
         if self.compile_options is not None:
             for layer in layers:
                 compile_layer(layer, self.compile_options)
@@ -317,14 +320,16 @@ class LocalStages:
         """``id(param) -> name`` in the unsplit model (a tied parameter's copies all get the tie's canonical name)."""
         return {id(p): self.ties.canonical(name) for name, p in self.module.named_parameters()}
 
-    def param_norm(self, shards: Any = None) -> float:
+    def param_norm(self, shards: Sequence[Any] = (), holders: int = 1) -> float:
         """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once.
 
-        ``shards``: the replicas' group when each holds a shard of the stage's parameters (FSDP2).
+        ``shards``: the groups over which the ``holders`` processes of a stage hold parts of its parameters (FSDP2's
+        replicas, the tensor-parallel group).
         """
         plan, rank = self.plan, self.pipe.rank
         named = list(self.module.named_parameters())
-        return reduce.param_norm(named, lambda n: self.ties.counted_here(n, plan, rank), self.pipe, shards)
+        counted = lambda n: self.ties.counted_here(n, plan, rank)  # noqa: E731
+        return reduce.param_norm(named, counted, self.pipe, shards, holders)
 
     def tie_layers(self, param: Tensor) -> set[int]:
         """Indices of all pipeline layers sharing ``param`` (a local parameter) in the unsplit model; empty if none."""

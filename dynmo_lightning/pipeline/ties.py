@@ -26,11 +26,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from dynmo_lightning.core.parts import local_part
 from dynmo_lightning.optim import drop_params
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import ReplicaLayout
 from dynmo_lightning.pipeline.runtime import StagePlan
-from dynmo_lightning.protocol import local_part
 
 
 class TieError(ValueError):
@@ -95,7 +95,7 @@ class TiedParameters:
 
     Args:
         ties: from :func:`find_ties`.
-        layout: returns the job's replica layout and the index of this process's replica.
+        layout: returns the job's replica layout and the index of this process's pipeline (its row).
         timeout: timeout of the ties' process groups.
     """
 
@@ -120,7 +120,7 @@ class TiedParameters:
 
     def _global_rank(self, pp_rank: int) -> int:
         layout, mine = self._layout()
-        return layout.global_rank(pp_rank, mine)
+        return layout.replicas[mine][pp_rank]
 
     def owners(self, tie: Tie, plan: StagePlan) -> tuple[int, ...]:
         """Pipeline ranks holding a copy of ``tie`` under ``plan``."""
@@ -130,8 +130,9 @@ class TiedParameters:
         """Create the process groups of the ties' owners under ``plan`` (collective: every process calls it).
 
         ``torch.distributed.new_group`` must be called by every process of the job, also those outside the group,
-        so all groups are made here, at points every process reaches together, and cached. Every data-parallel
-        replica gets its own groups (its copies sum only its own gradients).
+        so all groups are made here, at points every process reaches together, and cached. Every pipeline (each
+        data-parallel replica's, per tensor-parallel rank) gets its own groups: its copies sum only its own
+        gradients.
         """
         if new_world:
             self._groups.clear()
@@ -139,9 +140,9 @@ class TiedParameters:
         for tie in self.ties:
             owners = self.owners(tie, plan)
             if len(owners) > 1 and owners not in self._groups:
-                for d in range(layout.dp_size):
-                    group = dist.new_group([layout.global_rank(r, d) for r in owners], timeout=self._timeout)
-                    if d == mine:
+                for row, ranks in enumerate(layout.replicas):
+                    group = dist.new_group([ranks[r] for r in owners], timeout=self._timeout)
+                    if row == mine:
                         self._groups[owners] = group
 
     def follow(

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dynmo_lightning.core.context import on_host
 from dynmo_lightning.pipeline.layout import PipelineGroup, group_device
 from dynmo_lightning.profiling import DeviceClock
-from dynmo_lightning.protocol import on_host
 
 #: Tensors smaller than this travel together in one byte buffer; a message each would cost more than the copy.
 COALESCE_BELOW = 64 * 1024

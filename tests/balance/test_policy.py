@@ -59,6 +59,7 @@ class TraceStrategy:
     schedule = "1f1b"
     stages_per_rank = 1
     data_parallel = "ddp"
+    tensor_parallel_size = 1
 
     def __init__(self, trace: list[dict[str, Any]], n_stages: int, bandwidth: float) -> None:
         self.trace, self.bandwidth = trace, bandwidth

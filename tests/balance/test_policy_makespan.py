@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from dynmo_lightning.balance import should_repartition, stage_times, step_time
+from dynmo_lightning.balance import partition, should_repartition, stage_times, step_time
 from dynmo_lightning.balance.cost_model import repartition_pays
+from dynmo_lightning.balance.diffusion import drive
 from dynmo_lightning.balance.makespan import makespan
+from dynmo_lightning.balance.planner import StepModel
 from dynmo_lightning.balance.policy import MIGRATE, REPACK, BalancePolicy, PipelineShape
 from dynmo_lightning.sim import load_trace, simulate_layers, simulate_run
 
@@ -94,3 +96,42 @@ def test_the_profiled_weight_part_reaches_the_zero_bubble_step_model():
     whole = makespan(*stage_times(fwd, bwd, split), 4, "zbv", stages_per_rank=2)
     assert with_w != whole  # the split matters to the schedule
     assert policy.step_model(pipe)(split) == pytest.approx(with_w)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_a_zero_bubble_check_prices_both_splits_with_the_weight_parts(schedule):
+    # Issue 38: no dynamic, 16 ranks in a V, the benchmark's 62 blocks, embedding and head. The keep / migrate rule
+    # priced both splits as if every backward ran whole in its input slot: the first check's 6.4 % gain read as
+    # 4.7-4.9 %, under min_gain, and the static imbalance stayed for good. Both step times are now the planner's own
+    # step model, W tasks and all.
+    step = load_trace(TRACES / "none.jsonl.gz")[0]
+    policy = BalancePolicy("optimal", every_n_steps=10, min_gain=0.05, bandwidth=1e9)
+    policy.start(len(step["fwd"]))
+    fields = ("fwd", "bwd", "bwd_weight", "param_bytes", "optim_bytes")
+    policy.observe({i: {f: step[f][i] for f in fields} for i in range(len(step["fwd"]))})
+    pipe = PipelineShape(partition(step["fwd"], 32, method="uniform"), 16, 64, schedule)
+    (decision,) = policy.decide(pipe)
+    model = policy.step_model(pipe)
+    assert decision.action == MIGRATE
+    assert (decision.current_step_s, decision.predicted_step_s) == (model(decision.current), model(decision.proposed))
+    whole = StepModel(step["fwd"], step["bwd"], 64, schedule, stages_per_rank=2)  # no W tasks
+    gain = 1 - decision.predicted_step_s / decision.current_step_s
+    assert 1 - whole(decision.proposed) / whole(decision.current) < 0.05 < gain
+
+
+def test_the_neighbour_protocols_outcome_is_priced_with_the_weight_parts_too():
+    # The diffusion protocol's stages carry each layer's weight part beside its forward and backward, so that the
+    # keep / migrate rule on their per-stage sums times the same step as the central planner's model.
+    fwd = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0]
+    profile = {i: {"fwd": f, "bwd": 2 * f, "bwd_weight": f, "param_bytes": 1.0} for i, f in enumerate(fwd)}
+    policy = BalancePolicy("diffusion", every_n_steps=10, min_gain=0.0, bandwidth=1e12)
+    policy.start(len(fwd))
+    policy.observe(profile)
+    pipe = PipelineShape([2, 2, 2, 2], 2, 8, "zbv")
+    stages = [policy.diffusion_stage(pipe, s) for s in range(4)]
+    list(drive(stages))
+    (decision,) = policy.decide(pipe, planned=stages[0].outcome)
+    model = policy.step_model(pipe)
+    assert decision.proposed != pipe.layers_per_stage
+    assert decision.current_step_s == pytest.approx(model(pipe.layers_per_stage))
+    assert decision.predicted_step_s == pytest.approx(model(decision.proposed))

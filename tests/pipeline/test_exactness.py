@@ -83,7 +83,7 @@ def test_params_partition_balances_parameter_counts(runs):
 def test_checkpoint_holds_unsplit_model_and_named_optimizer_state(runs):
     ckpt = load_whole(runs["first"].run_dir / "checkpoints" / "last.ckpt")  # P=2: a sharded directory
     names = set(ckpt["state_dict"])
-    assert {"embed.wte.weight", "blocks.0.attn.qkv.weight", "blocks.3.mlp.fc.weight", "head.lm_head.weight"} <= names
+    assert {"embed.wte.weight", "blocks.0.attn.q.weight", "blocks.3.mlp.fc.weight", "head.lm_head.weight"} <= names
     opt = ckpt["optimizer_states"][0]
     assert set(opt["state"]) == names
     assert {"exp_avg", "exp_avg_sq", "step"} <= set(opt["state"]["head.lm_head.weight"])

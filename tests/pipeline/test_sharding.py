@@ -16,21 +16,24 @@ import torch
 from support import SUPPORT
 from support.helpers import (
     DP2,
-    FREEZE,
+    EPOCH,
+    HF_BASE,
+    LLAMA,
+    MOVING,
+    RANDOM,
+    ZBV,
     assert_close_losses,
     assert_close_model,
     assert_close_params,
     launch,
     launch_script,
+    slow,
 )
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.pipeline.launcher import check_units
 from dynmo_lightning.protocol import JobShape
 
-RANDOM = ["balancer=optimal", "balancer.method=random", "balancer.every_n_steps=5", "balancer.warmup_steps=0"]
-ZBV = ["strategy.schedule=zbv", "strategy.stages_per_rank=2"]
-MOVING = [*FREEZE, *RANDOM, "trainer.max_steps=20"]
 # 16 experts in every block, dropless, no load-balancing loss, computed expert by expert: experts one replica's
 # tokens never reached get no gradient there while the other replica's do (see test_data_parallel's MOE).
 MOE = [
@@ -42,29 +45,8 @@ MOE = [
     "model._target_=support.moe_models.PerExpertGPT",
     "trainer.max_steps=12",
 ]
-# A checkpoint at step 10 (the end of an epoch of 10 batches), resumed to step 12.
-EPOCH = [
-    "trainer.limit_train_batches=10",
-    "trainer.val_check_interval=null",
-    "trainer.check_val_every_n_epoch=1",
-    "checkpoint.every_n_train_steps=10",
-]
 #: A small Hugging Face Llama, as tests/models/test_hf.py trains it with dynmo-train.
-HF = [
-    "model=hf_llama",
-    "model.model_or_config.hidden_size=32",
-    "model.model_or_config.intermediate_size=64",
-    "data.block_size=32",
-    "data.batch_size=8",
-    "data.max_bytes=100000",
-    "trainer.max_steps=10",
-    "trainer.limit_val_batches=1",
-    "trainer.val_check_interval=5",
-    "trainer.enable_progress_bar=false",
-    "trainer.gradient_clip_val=0.5",
-    "logger.csv=false",
-    "strategy.timeout=60",
-]
+HF = [*LLAMA, *HF_BASE]
 
 
 def _mode(name: str) -> list[str]:
@@ -89,15 +71,6 @@ def runs(tmp_path_factory):
     out |= launch(4, {d / "resume-p4-ddp": resume, d / "resume-p2d2-ddp": [*DP2, *resume]})
     out |= launch(2, {d / "resume-p1d2-fsdp": [*DP2, *_mode("fsdp"), *resume]})
     return {path.name: run for path, run in out.items()}
-
-
-SLOW = [pytest.mark.slow, pytest.mark.timeout(1500)]
-
-
-def slow(test):
-    for mark in SLOW:
-        test = mark(test)
-    return test
 
 
 @slow

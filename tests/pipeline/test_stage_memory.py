@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dynmo_lightning import PipelineModule
+from dynmo_lightning import PipelineModule, profiling
 from dynmo_lightning.pipeline import stages as stages_module
 from dynmo_lightning.pipeline.runtime import StagePlan
 from dynmo_lightning.profiling import release_cached_memory
@@ -80,6 +80,16 @@ def test_release_cached_memory_empties_the_cuda_cache_only(monkeypatch):
     assert calls == []
     release_cached_memory(torch.device("cuda", 1))
     assert calls == [torch.device("cuda", 1), "empty"]
+
+
+def test_released_memory_also_trims_the_host_heap(monkeypatch):
+    assert profiling._malloc_trim() is not None  # this machine's C library (glibc) has it
+    trims: list[int] = []
+    monkeypatch.setattr(profiling, "_malloc_trim", lambda: trims.append)  # malloc_trim(0), recorded
+    release_cached_memory(torch.device("cpu"))
+    assert trims == [0]
+    monkeypatch.setattr(profiling, "_malloc_trim", lambda: None)  # a C library without it: nothing to call
+    release_cached_memory(torch.device("cpu"))
 
 
 def test_migrate_and_pack_release_the_memory_after_the_commit(one_process_world, monkeypatch):

@@ -1,5 +1,6 @@
 """Four ranks (P = 2 x D = 2): what each process holds under ``data_parallel`` ddp, replicate and fsdp, and what one
-layer migration allocates (run by ``tests/pipeline/test_sharding.py``).
+layer migration allocates (run by ``tests/pipeline/test_sharding.py``); mode ``tp``: P = 2 x T = 2, every hidden
+layer split over two processes by the model's own plan (``tests/pipeline/test_tensor_parallel.py``).
 
 Usage: ``python tests/support/_sharding_script.py OUT MODE``; every rank writes ``OUT.<mode>.rank<r>.json`` with the
 bytes of parameters, gradients and optimizer state it holds (local shards, just before the step's optimizer step),
@@ -14,7 +15,8 @@ import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, TensorDataset
@@ -41,6 +43,14 @@ class Net(PipelineModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class SplitNet(Net):
+    """The same layers, each hidden one split by rows over the tensor-parallel group (its output gathered whole)."""
+
+    def pipeline_parallelize_layer(self, index, layer, tp_mesh):
+        if isinstance(layer, nn.Sequential):
+            parallelize_module(layer, tp_mesh, {"0": ColwiseParallel(output_layouts=Replicate())})
 
 
 class Allocations(TorchDispatchMode):
@@ -120,10 +130,12 @@ def main() -> None:
     out, mode = sys.argv[1], sys.argv[2]
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(256, WIDTH, generator=g), torch.randn(256, 8, generator=g))
+    split = mode == "tp"
+    sizes = {"tensor_parallel_size": 2} if split else {"data_parallel_size": 2, "data_parallel": mode}
     trainer = L.Trainer(
         accelerator="cpu",
         devices=4,
-        strategy=DynMoStrategy(partition=[3, 2], n_microbatches=2, data_parallel_size=2, data_parallel=mode),
+        strategy=DynMoStrategy(partition=[3, 2], n_microbatches=2, **sizes),
         max_steps=5,
         logger=False,
         enable_checkpointing=False,
@@ -131,7 +143,7 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[Measure(f"{out}.{mode}")],
     )
-    trainer.fit(Net(), DataLoader(data, batch_size=8))
+    trainer.fit(SplitNet() if split else Net(), DataLoader(data, batch_size=8))
     dist.destroy_process_group()
 
 

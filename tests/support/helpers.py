@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from dynmo_lightning.launch import run_ranks
@@ -47,6 +48,39 @@ REPACK = [
     "balancer.repack_tolerance=0.5",
     "balancer.min_stages=2",
 ]
+
+# The balancer moves layers to a random split every 5 steps (the math must not change).
+RANDOM = ["balancer=optimal", "balancer.method=random", "balancer.every_n_steps=5", "balancer.warmup_steps=0"]
+ZBV = ["strategy.schedule=zbv", "strategy.stages_per_rank=2"]
+MOVING = [*FREEZE, *RANDOM, "trainer.max_steps=20"]
+# A checkpoint at step 10 (the end of an epoch of 10 batches), resumed to step 12.
+EPOCH = [
+    "trainer.limit_train_batches=10",
+    "trainer.val_check_interval=null",
+    "trainer.check_val_every_n_epoch=1",
+    "checkpoint.every_n_train_steps=10",
+]
+#: Small Hugging Face models, as tests/models/test_hf.py trains them with dynmo-train: a Llama (4 heads, 2 key/value
+#: heads) and a GPT-2 (tied embeddings); HF_BASE is what their runs share.
+LLAMA = ["model=hf_llama", "model.model_or_config.hidden_size=32", "model.model_or_config.intermediate_size=64"]
+GPT2 = ["model=hf_gpt2", "model.model_or_config.n_embd=32"]
+HF_BASE = [
+    "data.block_size=32",
+    "data.batch_size=8",
+    "data.max_bytes=100000",
+    "trainer.max_steps=10",
+    "trainer.limit_val_batches=1",
+    "trainer.val_check_interval=5",
+    "trainer.enable_progress_bar=false",
+    "trainer.gradient_clip_val=0.5",
+    "logger.csv=false",
+    "strategy.timeout=60",
+]
+
+
+def slow(test: Any) -> Any:
+    """Mark a test of launched multi-process runs: the slow lane, with a timeout long enough for a module's launches."""
+    return pytest.mark.timeout(1500)(pytest.mark.slow(test))
 
 
 class CliRun:

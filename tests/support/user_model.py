@@ -15,6 +15,7 @@ import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
 WIDTH, N_SAMPLES, STEPS = 16, 512, 24
@@ -66,6 +67,14 @@ class UserNet(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
 
 
+class UserTPNet(UserNet):
+    """The same model with the user's own tensor-parallel plan: each residual block's MLP split over ``tp_mesh``."""
+
+    def pipeline_parallelize_layer(self, index: int, layer: nn.Module, tp_mesh: Any) -> None:
+        if isinstance(layer, Residual):  # the first linear layer and the head run whole
+            parallelize_module(layer, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+
 def loader(batch_size: int = 16, shuffle: bool = False) -> DataLoader:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(N_SAMPLES, WIDTH, generator=g)
@@ -73,9 +82,19 @@ def loader(batch_size: int = 16, shuffle: bool = False) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle, drop_last=True)
 
 
-def fit(strategy: Any = "auto", devices: int = 1, batch_size: int = 16, shuffle: bool = False, callbacks=()) -> dict:
-    """Train; returns the losses and (on global rank 0) the whole model's final state dict."""
-    model = UserNet()
+def fit(
+    strategy: Any = "auto",
+    devices: int = 1,
+    batch_size: int = 16,
+    shuffle: bool = False,
+    callbacks=(),
+    tp: bool = False,
+) -> dict:
+    """Train; returns the losses and (on global rank 0) the whole model's final state dict.
+
+    ``tp``: the model with the user's tensor-parallel plan (:class:`UserTPNet`).
+    """
+    model = UserTPNet() if tp else UserNet()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,

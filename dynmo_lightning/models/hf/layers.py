@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dynmo_lightning.core.host_values import host_value
 from dynmo_lightning.models.blocks import Block
 from dynmo_lightning.models.hf.units import attention_units, mlp_units
 from dynmo_lightning.models.routing import DepthRouter, ExitGate
-from dynmo_lightning.protocol import host_value
 
 #: Attention implementations whose causal mask a layer builds itself (``sdpa``: none, the kernel's ``is_causal``).
 ATTENTION = ("sdpa", "eager")

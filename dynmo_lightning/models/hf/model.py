@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dynmo_lightning.core.layer_init import layer_seed, materialise_layer
+from dynmo_lightning.core.model import PipelineModule
 from dynmo_lightning.models.hf.layers import FAMILIES, MODEL_TYPES, DecoderLayer, Embedding, Family, Head
 from dynmo_lightning.models.hf.weights import SafetensorsWeights, init_like_hf, init_rules, meta_parameters
 from dynmo_lightning.models.routing import DepthRouter, ExitGate
-from dynmo_lightning.protocol import PipelineModule, layer_seed, materialise_layer
 
 IGNORE_INDEX = -100
 

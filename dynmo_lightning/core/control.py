@@ -1,0 +1,206 @@
+"""The strategy contracts callbacks rely on: :class:`PipelineControl`, :class:`PreLaunchCheck`, :class:`JobShape`.
+
+``DynMoStrategy`` implements :class:`PipelineControl`; callbacks find it with :func:`pipeline_control` and never
+import the strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class JobShape:
+    """What the launching process knows of a pipeline job before any worker starts (for :class:`PreLaunchCheck`).
+
+    Attributes:
+        world_size: processes of the job.
+        pp_size: processes of one pipeline.
+        stages_per_rank: pipeline stages per process.
+        layer_param_bytes: bytes of every pipeline layer's parameters (``None``: unknown without building the model).
+        data_parallel: how replicas share a stage's layers (``"ddp"``, ``"replicate"`` or ``"fsdp"``).
+        tensor_parallel_size: processes every stage is split over.
+    """
+
+    world_size: int
+    pp_size: int
+    stages_per_rank: int
+    layer_param_bytes: list[int] | None
+    data_parallel: str = "ddp"
+    tensor_parallel_size: int = 1
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages."""
+        return self.pp_size * self.stages_per_rank
+
+    @property
+    def held_fraction(self) -> float:
+        """The part of each of its layers a process holds: ``1 / replicas`` under ``"fsdp"``, else all of it.
+
+        Tensor parallelism is not counted: which layers a plan splits is known only once they are built.
+        """
+        return self.pp_size * self.tensor_parallel_size / self.world_size if self.data_parallel == "fsdp" else 1.0
+
+
+@runtime_checkable
+class PreLaunchCheck(Protocol):
+    """A callback whose settings can contradict the job's size: refused by the launching process, once, in one line."""
+
+    def pipeline_check_job(self, job: JobShape) -> None:
+        """Raise ``ValueError`` (naming the setting and the fix) if this callback cannot work in ``job``."""
+
+
+@runtime_checkable
+class PipelineControl(Protocol):
+    """What a callback may ask a pipeline strategy and tell it (``DynMoStrategy`` implements it).
+
+    Callbacks reach the strategy through this contract only (:func:`pipeline_control`), never through the class, so
+    the dynamics callbacks run unchanged under strategies that do not split the model, and tests can drive the
+    balancer with a stand-in. Every property answers (with an empty value) before the strategy is set up.
+    """
+
+    n_microbatches: int
+    schedule: str
+    stages_per_rank: int
+    #: How replicas share a stage's layers: ``"ddp"`` (whole), ``"replicate"`` (whole, DTensors), ``"fsdp"`` (shards).
+    data_parallel: str
+    #: Processes every stage is split over (tensor parallelism; 1: none).
+    tensor_parallel_size: int
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the job."""
+        ...
+
+    @property
+    def n_layers(self) -> int:
+        """Pipeline layers of the model."""
+        ...
+
+    @property
+    def n_stages(self) -> int:
+        """(Virtual) pipeline stages."""
+        ...
+
+    @property
+    def pp_size(self) -> int:
+        """Processes of one pipeline."""
+        ...
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas of the pipeline."""
+        ...
+
+    @property
+    def layers_per_stage(self) -> list[int]:
+        """The split in force."""
+        ...
+
+    @property
+    def layer_param_counts(self) -> list[int]:
+        """Parameters of every pipeline layer."""
+        ...
+
+    @property
+    def waiting(self) -> int:
+        """Released processes waiting to be re-admitted by :meth:`grow`."""
+        ...
+
+    @property
+    def releases(self) -> list[dict[str, Any]]:
+        """Every release by a consolidation (ranks, hosts, whole nodes freed)."""
+        ...
+
+    @property
+    def partitions(self) -> list[dict[str, Any]]:
+        """``[{"step", "layers_per_stage"}]``: the initial split and every change."""
+        ...
+
+    @property
+    def replica_ranks(self) -> list[list[int]]:
+        """Global ranks of every replica's pipeline, by pipeline rank."""
+        ...
+
+    @property
+    def host_group(self) -> Any:
+        """A CPU (gloo) group of the whole job for host data (``None``: the default group, a CPU group then)."""
+        ...
+
+    @property
+    def pipeline_nodes(self) -> list[Any] | None:
+        """The node each pipeline rank runs on (``None``: unknown); a repack frees whole nodes."""
+        ...
+
+    def request_profile(self) -> None:
+        """Profile the coming training step (several callbacks may ask)."""
+        ...
+
+    def profile_results(self) -> dict[int, dict[str, float]] | None:
+        """Every layer's measured costs of the step just profiled (collective), or ``None``."""
+        ...
+
+    def on_layers_changed(self, layers: list[int] | None = None) -> None:
+        """Layers changed (their cost, or which parameters train): rebuild before the next step."""
+        ...
+
+    def changed_layers(self, step: int) -> list[int]:
+        """The layers reported changed while ``step`` optimizer steps were done (the balancer reacts to them)."""
+        ...
+
+    def repartition(self, layers_per_stage: list[int]) -> Any:
+        """Move layers to a new split (collective); returns what moved."""
+        ...
+
+    def shrink(
+        self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit", release_to: Any = None
+    ) -> Any:
+        """Consolidate onto ``keep_ranks`` and release the other processes; tell ``release_to`` (collective)."""
+        ...
+
+    def grow(self, layers_per_stage: list[int]) -> Any:
+        """Re-admit waiting processes as new stages of ``layers_per_stage`` (collective)."""
+        ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Global rank ``src``'s ``obj`` on every process (collective)."""
+        ...
+
+    def run_neighbours(self, stage_of: Any) -> Any:
+        """Run a neighbour protocol over the pipeline (collective over it, point-to-point only).
+
+        ``stage_of(pipeline_rank)`` builds this process's stage machine
+        (:class:`~dynmo_lightning.balance.diffusion.DiffusionStage`); returns the run's
+        :class:`~dynmo_lightning.pipeline.neighbours.NeighbourStats`.
+        """
+        ...
+
+    def tie_layers(self, param: Tensor) -> set[int]:
+        """Pipeline layers sharing ``param`` in the unsplit model."""
+        ...
+
+    def param_norm(self) -> float:
+        """L2 norm of all the model's parameters, across stages (collective)."""
+        ...
+
+    def replicas_in_sync(self) -> bool:
+        """Whether every replica holds the same parameters and buffers (collective)."""
+        ...
+
+    def shard_sum(self, values: Tensor) -> Tensor:
+        """``values`` summed over the processes holding the other parts of the same layers (collective over them).
+
+        ``values`` are per local layer, computed from this process's part of each; where every process holds its
+        layers whole, ``values`` itself.
+        """
+        ...
+
+
+def pipeline_control(trainer: Any) -> PipelineControl | None:
+    """The trainer's strategy as a :class:`PipelineControl`, or ``None`` when it does not split the model."""
+    strategy = getattr(trainer, "strategy", None)
+    return strategy if isinstance(strategy, PipelineControl) else None
