@@ -19,14 +19,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities import distributed as fabric_dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -44,20 +41,21 @@ from dynmo_lightning.pipeline.evaluation import PipelineEvaluation
 from dynmo_lightning.pipeline.layout import Mesh, PipelineGroup, ReplicaLayout, check_batch, make_mesh, shard_dataloader
 from dynmo_lightning.pipeline.migration import MigrationStats
 from dynmo_lightning.pipeline.neighbours import NeighbourStats, run_stage
-from dynmo_lightning.pipeline.precision import PipelinePrecision
+from dynmo_lightning.pipeline.plugins import WrappedPlugins
 from dynmo_lightning.pipeline.reduce import GlobalNormClipping, replicas_in_sync
-from dynmo_lightning.pipeline.resize import ResizeInternals, Resizer
+from dynmo_lightning.pipeline.resize import Resized, ResizeInternals, Resizer
 from dynmo_lightning.pipeline.runtime import StagePlan, first_dim
 from dynmo_lightning.pipeline.settings import PLUGINS, StrategyArguments, StrategySettings
 from dynmo_lightning.pipeline.sharding import FSDP_MODES, StageSharding
 from dynmo_lightning.pipeline.stages import LocalStages
 from dynmo_lightning.pipeline.tensor_parallel import TensorParallel
+from dynmo_lightning.pipeline.watchdog import Heartbeats
 from dynmo_lightning.profiling import DeviceClock, release_host_memory
 from dynmo_lightning.recompute import checkpoint_policy
 from dynmo_lightning.settings import build, configured_by, from_settings
 
 
-class DynMoStrategy(ParallelStrategy):
+class DynMoStrategy(WrappedPlugins):
     """Pipeline parallelism for pipeline-ready LightningModules (see :mod:`dynmo_lightning.protocol`).
 
     Each process holds one pipeline stage (or ``stages_per_rank`` interleaved stages): a contiguous run of the
@@ -104,10 +102,12 @@ class DynMoStrategy(ParallelStrategy):
         self._schedule_span: tuple[DeviceClock, Any, Any] | None = None  # the last training step's schedule
         #: ``[{"step", "layers_per_stage"}]``: the initial partition and every change.
         self.partitions: list[dict[str, Any]] = []
-        # The worlds it runs in, shrinks, grows (pipeline/resize.py): all they read or set here is in these arguments.
+        # One set of heartbeats per world; its phases name what the job does (a lost peer's error names it).
+        self._heartbeats = Heartbeats(self.heartbeat_timeout, self._global_step)
+        self._phase = self._heartbeats.phase
+        # The worlds it runs in, shrinks, grows (pipeline/resize.py): all they read or change here is an argument.
         self._resizer = Resizer(self, lambda: ResizeInternals(self._stages, self._layout, self._mesh, self._batch_size),
-                                self._use_layout, self._timeout)  # fmt: skip
-        self._phase = self._resizer.heartbeats.phase  # names what the job does (a lost peer's error names it)
+                                self._use_layout, self._heartbeats, self._timeout)  # fmt: skip
         self._device: torch.device | None = None  # pinned at start-up: a shrink renumbers local ranks, not devices
 
     @classmethod
@@ -145,30 +145,6 @@ class DynMoStrategy(ParallelStrategy):
         # All stages of one pipeline consume the same batch; the data is sharded over the replicas.
         shard, n_shards = self._layout.shards[self.dp_rank] if self._layout else (self.dp_rank, self.dp_size)
         return {"num_replicas": n_shards, "rank": shard}
-
-    @property  # type: ignore[override]
-    def precision_plugin(self) -> PipelinePrecision:
-        """The Trainer's precision plugin, wrapped so that clipping by norm uses the norm over all stages."""
-        plugin = self._precision_plugin if self._precision_plugin is not None else Precision()
-        if not isinstance(plugin, PipelinePrecision):
-            plugin = self._precision_plugin = PipelinePrecision(plugin)
-        return plugin
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = plugin
-
-    @property  # type: ignore[override]
-    def checkpoint_io(self) -> CheckpointIO:
-        """The Trainer's ``CheckpointIO``, writing atomically (``AtomicCheckpointIO``) unless it wraps itself."""
-        io = ParallelStrategy.checkpoint_io.fget(self)  # type: ignore[attr-defined]
-        if not isinstance(io, _WrappingCheckpointIO):
-            io = self._checkpoint_io = ckpt.AtomicCheckpointIO(io)
-        return io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
 
     # --- the job's layout (pipeline/layout.py) -----------------------------------------------------------------------
     @property
@@ -225,8 +201,13 @@ class DynMoStrategy(ParallelStrategy):
         assert self._layout is not None
         return self._layout, self._layout.row(self.global_rank)
 
-    def _use_layout(self, layout: ReplicaLayout) -> None:
-        """Adopt ``layout`` in the current world (collective; refuses a backend that cannot move this device's data)."""
+    def _use_layout(
+        self, layout: ReplicaLayout, environment: ClusterEnvironment | None = None, num_nodes: int | None = None
+    ) -> None:
+        """Adopt ``layout`` here, or in the new world of ``environment`` (collective; the one place worlds change)."""
+        if environment is not None:
+            self.cluster_environment, self.num_nodes = environment, num_nodes or self.num_nodes
+            rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         units = self.data_parallel in FSDP_MODES
         self._layout = layout
         self._mesh = make_mesh(layout, self.global_rank, self._timeout, self.root_device, unit_groups=units)
@@ -479,8 +460,7 @@ class DynMoStrategy(ParallelStrategy):
             return MigrationStats(moves=[])
         with self._phase(f"layer migration {self.layers_per_stage} -> {lps}"):
             stats = self._stages.migrate(new, self.optimizers)
-        self.partitions.append({"step": self.lightning_module.trainer.global_step, "layers_per_stage": lps})
-        return stats
+        return self._record(Resized(stats, {"step": self._global_step(), "layers_per_stage": lps}))
 
     def run_neighbours(self, stage_of: Callable[[int], DiffusionStage]) -> NeighbourStats:
         """Drive this process's stage ``stage_of(pp_rank)`` of the diffusion protocol, point-to-point to neighbours."""
@@ -490,7 +470,7 @@ class DynMoStrategy(ParallelStrategy):
     @property
     def pipeline_nodes(self) -> list[Any] | None:
         """The node of every pipeline rank (with replicas: the tuple of their nodes), for a repack that frees nodes."""
-        return self._resizer.elastic.pipeline_nodes(self._layout) if self._layout else None
+        return self._resizer.pipeline_nodes(self._layout) if self._layout else None
 
     @property
     def waiting(self) -> int:
@@ -500,16 +480,24 @@ class DynMoStrategy(ParallelStrategy):
     @property
     def releases(self) -> list[dict[str, Any]]:
         """Every release by a shrink (ranks, hosts, whole nodes freed)."""
-        return self._resizer.elastic.releases
+        return self._resizer.releases
 
     def shrink(self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit",
                release_to: release.ReleaseHandler | None = None) -> MigrationStats:  # fmt: skip
         """Consolidate onto pipeline ranks ``keep_ranks``, release the others (collective; :meth:`Resizer.shrink`)."""
-        return self._resizer.shrink(keep_ranks, layers_per_stage, on_release=on_release, release_to=release_to)
+        return self._record(self._resizer.shrink(keep_ranks, layers_per_stage, on_release=on_release,
+                                                 release_to=release_to))  # fmt: skip
 
     def grow(self, layers_per_stage: list[int]) -> MigrationStats:
         """Re-admit waiting processes as new stages of ``layers_per_stage`` (collective; :meth:`Resizer.grow`)."""
-        return self._resizer.grow(layers_per_stage)
+        return self._record(self._resizer.grow(layers_per_stage))
+
+    def _global_step(self) -> int:
+        return self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
+
+    def _record(self, resized: Resized) -> MigrationStats:
+        self.partitions.append(resized.partition)  # the strategy alone writes its partition history
+        return resized.stats
 
     # --- collectives (over the whole job, as Lightning expects) ------------------------------------------------------
     @override

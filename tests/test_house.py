@@ -147,6 +147,42 @@ def test_no_function_longer_than_80_lines():
     assert not long, long
 
 
+def _complexities(source: str) -> list[tuple[str, int, int]]:
+    """``(name, line, complexity)`` of every function, method and nested function, as radon counts them."""
+    from radon.complexity import cc_visit
+
+    found, blocks = [], [b for b in cc_visit(source) if not hasattr(b, "methods")]  # methods come as functions too
+    while blocks:
+        block = blocks.pop()
+        name = f"{block.classname}.{block.name}" if block.classname else block.name
+        found.append((name, block.lineno, block.complexity))
+        blocks += block.closures
+    return found
+
+
+def test_no_function_more_complex_than_15():
+    # Length is not the only measure of a function one can read: radon's cyclomatic complexity (branches, boolean
+    # operators and comprehension conditions) stays at most 15; a bigger function is split into named steps.
+    complex_ = [
+        f"{path.relative_to(PACKAGE)}:{line} {name} ({value})"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, line, value in _complexities(path.read_text())
+        if value > 15
+    ]
+    assert not complex_, complex_
+
+
+def test_the_complexity_count_sees_methods_closures_and_boolean_operators():
+    source = """
+class A:
+    def f(self, x):
+        def g(y):
+            return y and x or 1
+        return g
+"""
+    assert sorted(_complexities(source)) == [("A.f", 3, 1), ("g", 4, 3)]
+
+
 def _strategy_private_names() -> set[str]:
     """``DynMoStrategy``'s private attributes and methods: assigned as ``self._x`` or defined as ``def _x`` in it."""
     tree = ast.parse((PACKAGE / "strategy.py").read_text())
@@ -258,3 +294,38 @@ def test_results_files_live_under_docs_bench():
     # docs/ holds the prose pages; every results file a page cites lives in docs/bench/
     stray = sorted(p.name for p in (PACKAGE.parent / "docs").glob("*.json"))
     assert not stray, f"results files among the pages (move them to docs/bench/): {stray}"
+
+
+def _host_uses(tree: ast.AST) -> tuple[set[str], list[str]]:
+    """The members of ``host`` / ``self._host`` a module reads, and the ones it assigns."""
+
+    def is_host(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "host") or (
+            isinstance(node, ast.Attribute) and node.attr == "_host"
+        )
+
+    reads, writes = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_host(node.value):
+            (writes.append if isinstance(node.ctx, ast.Store) else reads.add)(node.attr)
+    return reads, writes
+
+
+def test_resize_reads_only_its_host_protocol_and_never_writes_into_the_strategy():
+    # The resize room sees the strategy through ResizeHost, listing exactly what it reads; a world change is the
+    # strategy's own action (the `enter` argument) and the partition history is the strategy's to append.
+    tree = ast.parse((PACKAGE / "pipeline" / "resize.py").read_text())
+    (protocol,) = (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "ResizeHost")
+    declared = {n.target.id for n in protocol.body if isinstance(n, ast.AnnAssign)}
+    declared |= {n.name for n in protocol.body if isinstance(n, ast.FunctionDef)}
+    assert all(isinstance(b, ast.Name) and b.id == "Protocol" for b in protocol.bases), "only Protocol"
+    reads, writes = _host_uses(tree)
+    assert reads == declared, f"declared but unused: {declared - reads}; used but undeclared: {reads - declared}"
+    assert not writes, f"resize.py writes into the strategy: {writes}"
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert "rank_zero_only" not in imported, "the rank logging reads is the strategy's to set"
+
+
+def test_the_host_use_check_sees_reads_and_writes():
+    reads, writes = _host_uses(ast.parse("host.a = host.b + self._host.c\nhost.d.e = 1"))
+    assert (reads, writes) == ({"b", "c", "d"}, ["a"])

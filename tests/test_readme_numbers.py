@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from dynmo_lightning.bench import NAMES
-from dynmo_lightning.bench.report import front_page_table
+from dynmo_lightning.bench.report import front_page_table, real_front_page
 from dynmo_lightning.bench.scale import SEED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,3 +107,19 @@ def test_editing_any_one_number_of_the_table_is_caught():
             assert mismatches([*table[:k], edited, *table[k + 1 :]]), f"{edited!r} passed"
             edits += 1
     assert edits >= 13 * (len(table) - 2)  # 3 x 3 speed-ups, a share, a loss, the seed and the strength per row
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_the_real_ab_sentences_are_the_committed_results():
+    # The README's real A/B (1F1B with its `static_time` arm, and the ZBV arm run in the same processes) is what
+    # `real_front_page` writes from docs/bench/real.json and real_zbv.json: a rerun without editing the README shows
+    bench = ROOT / "docs" / "bench"
+    real, zbv = (json.loads((bench / name).read_text()) for name in ("real.json", "real_zbv.json"))
+    sentences = real_front_page(real, zbv)
+    assert len(sentences) == 2 and "static_time" in sentences[0] and "1F1B" in sentences[1]
+    readme = _words((ROOT / "README.md").read_text())
+    missing = [s for s in sentences if _words(s) not in readme]
+    assert not missing, missing

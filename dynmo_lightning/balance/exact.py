@@ -125,28 +125,62 @@ class ExactMode:
             now = s.rounds + 1
             turn = now % 2
             if kind == PUSH:
-                active = s.stage < s.n_stages - 1 and not self._fits()
-                left, right = yield s.make_card(push=active, heard=heard)
-                if active and s.stage % 2 == turn:
-                    s.layers.pop()
-                if left is not None and left.push and (s.stage - 1) % 2 == turn:
-                    s.layers.insert(0, left.last)
-                    s.first -= 1
+                active, left, right = yield from self._push_round(turn, heard)
             else:
-                mine = s.make_card(relay=len(s.layers) == 1 and asked == s.first, heard=heard)
-                left, right = yield mine
-                active = right is not None and self._wants(mine, s.stage, right.first)
-                by_left = left is not None and self._wants(left, s.stage - 1, mine.first)
-                asked = left.end if left is not None and by_left else None
-                if right is not None and active and s.stage % 2 == turn and right.size >= 2:
-                    s.layers.append(right.first)
-                if by_left and (s.stage - 1) % 2 == turn and mine.size >= 2:
-                    s.layers.pop(0)
-                    s.first += 1
+                active, left, right, asked = yield from self._pull_round(turn, heard, asked)
             news = [now if active else heard, *(c.heard for c in (left, right) if c is not None)]
             heard = max(news)
             if heard < now - (s.n_stages - 1):
                 return
+
+    def _push_round(self, turn: int, heard: int) -> Generator[Card, Neighbours, tuple[bool, Card | None, Card | None]]:
+        """One round of the push phase: pass the last layer right when over the bound, take the left one's.
+
+        Args:
+            turn: the parity of the boundaries that may move this round.
+            heard: the latest round with activity this stage heard of.
+
+        Returns:
+            Whether this stage was active (wanted to push), and the cards of its left and right neighbours.
+        """
+        s = self.state
+        active = s.stage < s.n_stages - 1 and not self._fits()
+        left, right = yield s.make_card(push=active, heard=heard)
+        # Both sides of a boundary move the layer in the same round: only on the boundary's turn.
+        if active and s.stage % 2 == turn:
+            s.layers.pop()
+        if left is not None and left.push and (s.stage - 1) % 2 == turn:
+            s.layers.insert(0, left.last)
+            s.first -= 1
+        return active, left, right
+
+    def _pull_round(
+        self, turn: int, heard: int, asked: int | None
+    ) -> Generator[Card, Neighbours, tuple[bool, Card | None, Card | None, int | None]]:
+        """One round of the pull phase: ask for the right neighbour's first layer, grant the left one's request.
+
+        Args:
+            turn: the parity of the boundaries that may move this round.
+            heard: the latest round with activity this stage heard of.
+            asked: the index of the layer the left neighbour asked for last round (``None``: none).
+
+        Returns:
+            Whether this stage was active (asked for a layer), the cards of its left and right neighbours, and the
+            index of the layer the left neighbour asked for this round (``None``: none).
+        """
+        s = self.state
+        # A one-layer stage whose only layer is asked for relays the request to its right neighbour.
+        mine = s.make_card(relay=len(s.layers) == 1 and asked == s.first, heard=heard)
+        left, right = yield mine
+        active = right is not None and self._wants(mine, s.stage, right.first)
+        by_left = left is not None and self._wants(left, s.stage - 1, mine.first)
+        asked = left.end if left is not None and by_left else None
+        if right is not None and active and s.stage % 2 == turn and right.size >= 2:
+            s.layers.append(right.first)
+        if by_left and (s.stage - 1) % 2 == turn and mine.size >= 2:
+            s.layers.pop(0)
+            s.first += 1
+        return active, left, right, asked
 
     def _gather(self) -> Generator[Card, Neighbours, list[StageOutcome]]:
         """Pipeline one entry per stage along the chain both ways: ``P - 1`` rounds, one entry per card and way."""

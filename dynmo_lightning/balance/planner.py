@@ -291,18 +291,10 @@ def _branch_and_bound(
     load = [0.0] * n_ranks
     incumbent = [best, list(best_split)]
 
-    def visit(stage: int, start: int) -> None:
-        nonlocal nodes
-        nodes += 1
-        if nodes > NODE_BUDGET or len(model._memo) > sims:
-            return
-        if stage == n_stages:
-            t = model(split)
-            if t < incumbent[0] * (1 - TOLERANCE) and fit.split(split):
-                incumbent[0], incumbent[1] = t, list(split)
-            return
-        left, r, bar = n_stages - stage - 1, ranks[stage], incumbent[0] * (1 - TOLERANCE)
-        ends = []
+    def _candidate_ends(stage: int, start: int, r: int, bar: float) -> list[int]:
+        """Ends to try for stage ``stage`` from layer ``start`` on rank ``r``: those that fit, bounds below ``bar``."""
+        left = n_stages - stage - 1
+        ends: list[int] = []
         for end in range(start + 1 if left else n_layers, n_layers - left + 1):
             if fit.limited and not fit.stage(stage, start, end):
                 break
@@ -317,6 +309,20 @@ def _branch_and_bound(
                 if m * (fixed + cost[n_layers] - cost[end]) / len(open_ranks[stage]) >= bar:
                     continue
             ends.append(end)
+        return ends
+
+    def visit(stage: int, start: int) -> None:
+        nonlocal nodes
+        nodes += 1
+        if nodes > NODE_BUDGET or len(model._memo) > sims:
+            return
+        if stage == n_stages:
+            t = model(split)
+            if t < incumbent[0] * (1 - TOLERANCE) and fit.split(split):
+                incumbent[0], incumbent[1] = t, list(split)
+            return
+        r = ranks[stage]
+        ends = _candidate_ends(stage, start, r, incumbent[0] * (1 - TOLERANCE))
         # Nearest the incumbent's cut first: good splits are found early and bound the rest harder.
         target = sum(incumbent[1][: stage + 1]) if incumbent[1] else (stage + 1) * n_layers // n_stages
         for end in sorted(ends, key=lambda e: abs(e - target)):

@@ -358,17 +358,7 @@ class BalancePolicy:
         if self.settings.method in ("random", "params") or proposed == current:
             return Decision(MIGRATE if proposed != current else KEEP, current, proposed, info=info)
         assert self.tracker is not None
-        if planned is None:
-            # The planner's own step model, weight parts included: under a zero-bubble schedule the W tasks fill
-            # the bubbles, and a makespan without them (every backward all input part) prices the two splits of a
-            # V on another step than the one that runs (a 6.4 % gain read as 4.7 %, under min_gain: issue 38).
-            model = self.step_model(pipe)
-            now, new = model(current), model(proposed)
-            moved = bytes_moved(current, proposed, self.layer_bytes(), pipe.n_ranks, pipe.schedule)
-        else:  # sums over (compute, memory, fwd, bwd, bytes, weight part), see diffusion_stage
-            now, new = (self._makespan(pipe, *([o.old[i] for o in planned] for i in (2, 3, 5))),
-                        self._makespan(pipe, *([o.new[i] for o in planned] for i in (2, 3, 5))))  # fmt: skip
-            moved = math.fsum(o.received[4] for o in planned)
+        now, new, moved = self._price(pipe, current, proposed, planned)
         seconds = moved / self.bandwidth + self.settings.migration_overhead
         min_gain = self.settings.min_gain if self.settings.method != "static_time" else 0.0
         go, saving = repartition_pays(now, new, self.settings.every_n_steps, seconds, min_gain)
@@ -376,6 +366,32 @@ class BalancePolicy:
         go = go and steps is not None
         return Decision(MIGRATE if go else KEEP, current, proposed, None, now, new, moved, seconds, saving, info,
                         (steps or [])[:-1])  # fmt: skip
+
+    def _price(
+        self, pipe: PipelineShape, current: list[int], proposed: list[int], planned: Sequence[StageOutcome] | None
+    ) -> tuple[float, float, float]:
+        """The step times of the current and the proposed split, and the bytes the move between them carries.
+
+        Args:
+            pipe: the pipeline now.
+            current: its split.
+            proposed: the split to move to.
+            planned: the diffusion protocol's outcome (only its per-stage sums are used), or ``None``.
+
+        Returns:
+            ``(now, new, moved)``: the makespans of ``current`` and ``proposed``, and the bytes moved.
+        """
+        if planned is None:
+            # The planner's own step model, weight parts included: under a zero-bubble schedule the W tasks fill
+            # the bubbles, and a makespan without them (every backward all input part) prices the two splits of a
+            # V on another step than the one that runs (a 6.4 % gain read as 4.7 %, under min_gain: issue 38).
+            model = self.step_model(pipe)
+            now, new = model(current), model(proposed)
+            return now, new, bytes_moved(current, proposed, self.layer_bytes(), pipe.n_ranks, pipe.schedule)
+        # sums over (compute, memory, fwd, bwd, bytes, weight part), see diffusion_stage
+        now, new = (self._makespan(pipe, *([o.old[i] for o in planned] for i in (2, 3, 5))),
+                    self._makespan(pipe, *([o.new[i] for o in planned] for i in (2, 3, 5))))  # fmt: skip
+        return now, new, math.fsum(o.received[4] for o in planned)
 
     def _staged(
         self, pipe: PipelineShape, current: list[int], proposed: list[int], info: dict[str, Any]

@@ -100,10 +100,7 @@ def plan_repack(
     Raises:
         ValueError: for a negative tolerance, ``min_stages < 1`` or an invalid current split.
     """
-    if tolerance < 0:
-        raise ValueError(f"balancer.repack_tolerance={tolerance} must be >= 0")
-    if min_stages < 1:
-        raise ValueError(f"balancer.min_stages={min_stages} must be >= 1")
+    _check_settings(tolerance, min_stages)
     n_layers = len(fwd)
     current = validate_partition(current, n_layers)
     if layer_bytes is None:
@@ -127,13 +124,43 @@ def plan_repack(
             continue
         predicted, proposed = best
         if predicted <= bar:
-            if nodes is None:
-                keep, moved = _keep_ranks(current, proposed, layer_bytes)
-                return RepackPlan(proposed, keep, predicted, now, moved)
-            keep, moved = _keep_ranks_on_nodes(current, proposed, layer_bytes, list(nodes))
-            freed = list(dict.fromkeys(n for n in nodes if n not in {nodes[r] for r in keep}))
-            return RepackPlan(proposed, keep, predicted, now, moved, freed)
+            return _plan_on_ranks(current, proposed, layer_bytes, nodes, predicted, now)
     return None
+
+
+def _check_settings(tolerance: float, min_stages: int) -> None:
+    """Raise ``ValueError`` for a negative ``tolerance`` or ``min_stages < 1``."""
+    if tolerance < 0:
+        raise ValueError(f"balancer.repack_tolerance={tolerance} must be >= 0")
+    if min_stages < 1:
+        raise ValueError(f"balancer.min_stages={min_stages} must be >= 1")
+
+
+def _plan_on_ranks(
+    current: list[int],
+    proposed: list[int],
+    layer_bytes: Sequence[float],
+    nodes: Sequence[Hashable] | None,
+    predicted: float,
+    now: float,
+) -> RepackPlan:
+    """The plan for split ``proposed``: which current ranks keep running it, and (with ``nodes``) the nodes freed.
+
+    Args:
+        current: layers per stage now (one stage per rank).
+        proposed: layers per stage of the smaller pipeline.
+        layer_bytes: bytes that move with each layer.
+        nodes: the node each current rank runs on, or ``None``.
+        predicted: the makespan of ``proposed``.
+        now: the makespan of ``current``.
+    """
+    if nodes is None:
+        keep, moved = _keep_ranks(current, proposed, layer_bytes)
+        return RepackPlan(proposed, keep, predicted, now, moved)
+    keep, moved = _keep_ranks_on_nodes(current, proposed, layer_bytes, list(nodes))
+    # A node is freed only when none of the kept ranks runs on it (in the order the nodes first appear).
+    freed = list(dict.fromkeys(n for n in nodes if n not in {nodes[r] for r in keep}))
+    return RepackPlan(proposed, keep, predicted, now, moved, freed)
 
 
 def best_split(

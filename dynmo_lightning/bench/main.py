@@ -110,31 +110,61 @@ def real_runs(cfg: DictConfig, out: Path) -> None:
     r = cfg.real
     arms = [_arm(r, r)] + ([_arm(r, r.also)] if r.get("also") else [])
     cases = [case for repeat in range(r.repeats) for arm in arms for case in _arm_cases(cfg, out, arm, repeat)]
-    todo = [c for c in cases if not (cfg.resume and Path(c["result"]).exists())]
     first = arms[0]["stem"]
     link = out / first / "link.json"
-    if todo:
-        for arm in arms:
-            (out / arm["stem"]).mkdir(parents=True, exist_ok=True)
-        act = r.data.batch_size // r.microbatches * r.data.block_size * r.model.n_embd * 4
-        job = {"bytes": act, "result": str(link)} if not link.exists() else None
-        _launch(r.world_size, todo, out, r.timeout, job, first)
+    _run_missing(cfg, out, arms, cases, link)
     results = {c["result"]: read_json(Path(c["result"])) for c in cases}
-    summaries = []
-    for arm in arms:
-        mine = [c for c in cases if c["stem"] == arm["stem"]]
-        config = {**OmegaConf.to_container(r), **{k: arm[k] for k in ("schedule", "stages_per_rank", "dynamics",
-                                                                     "policies")}}  # fmt: skip
-        config.pop("also", None)
-        summary = {"config": config, "link": read_json(link), "cases": mine}
-        summary["rows"] = real.summarize(mine, {c["name"]: results[c["result"]] for c in mine}, summary["link"])
-        speeds = [results[c["result"]]["migration_bytes_per_s"] for c in mine if "migration_bytes_per_s" in
-                  results[c["result"]]]  # fmt: skip
-        summary["migration_bytes_per_s"] = speeds
-        if summaries:  # the second arm against the first, in the same processes, repeat by repeat
-            summary["same_run"] = {"vs": first, "rows": real.across_arms(cases, results, first, arm["stem"])}
-        summaries.append(summary)
+    for k, arm in enumerate(arms):
+        # the arms after the first against the first, in the same processes, repeat by repeat
+        summary = _arm_summary(r, arm, cases, results, link, first if k > 0 else None)
         write_json(out / f"{arm['stem']}.json", summary)
+
+
+def _run_missing(
+    cfg: DictConfig, out: Path, arms: list[dict[str, Any]], cases: list[dict[str, Any]], link: Path
+) -> None:
+    """Launch the cases without a result (all of them without ``resume``), and the link's measurement if missing."""
+    r = cfg.real
+    todo = [c for c in cases if not (cfg.resume and Path(c["result"]).exists())]
+    if not todo:
+        return
+    for arm in arms:
+        (out / arm["stem"]).mkdir(parents=True, exist_ok=True)
+    act = r.data.batch_size // r.microbatches * r.data.block_size * r.model.n_embd * 4
+    job = {"bytes": act, "result": str(link)} if not link.exists() else None
+    _launch(r.world_size, todo, out, r.timeout, job, arms[0]["stem"])
+
+
+def _arm_summary(
+    r: DictConfig,
+    arm: dict[str, Any],
+    cases: list[dict[str, Any]],
+    results: dict[str, dict[str, Any]],
+    link: Path,
+    first: str | None,
+) -> dict[str, Any]:
+    """An arm's ``real*.json``: its config, the link, its cases, the summary rows and the migration speeds.
+
+    Args:
+        r: the ``real`` config.
+        arm: the arm (:func:`_arm`).
+        cases: the cases of every arm.
+        results: every case's result, by its result file.
+        link: the measured link's file.
+        first: the first arm's stem, for an arm after it (its ``same_run`` rows); ``None`` for the first arm.
+    """
+    mine = [c for c in cases if c["stem"] == arm["stem"]]
+    config = {**OmegaConf.to_container(r), **{k: arm[k] for k in ("schedule", "stages_per_rank", "dynamics",
+                                                                 "policies")}}  # fmt: skip
+    config.pop("also", None)
+    summary: dict[str, Any] = {"config": config, "link": read_json(link), "cases": mine}
+    summary["rows"] = real.summarize(mine, {c["name"]: results[c["result"]] for c in mine}, summary["link"])
+    speeds = [results[c["result"]]["migration_bytes_per_s"] for c in mine if "migration_bytes_per_s" in
+              results[c["result"]]]  # fmt: skip
+    summary["migration_bytes_per_s"] = speeds
+    if first is not None:
+        summary["same_run"] = {"vs": first, "rows": real.across_arms(cases, results, first, arm["stem"])}
+    return summary
 
 
 def _arm(r: DictConfig, arm: Any) -> dict[str, Any]:
@@ -260,32 +290,78 @@ def _simulate_dynamic(
     val = preset_timeline["val_loss"]
     entry: dict[str, Any] = kept or {"strength": strength, "val_loss": val, "val_loss_none": val_none}
     kw = {"microbatches_per_stage": cfg.scale.microbatches_per_stage, "every_n_steps": cfg.scale.every_n_steps}
-    p, two = cfg.scale.sweep_stages, ("uniform", "optimal")
     if "by_stages" in replays:
         entry["by_stages"] = {str(q): scale.compare(trace, q, net, **kw) for q in cfg.scale.stages}
     if "zero_bubble" in replays and zero_bubble_schedules(cfg):
-        # the same trace and batch on the same ranks under each zero-bubble schedule, two stages per rank
-        entry["zero_bubble"] = {
-            schedule: {
-                str(q): scale.compare(trace, q, net, policies=two, schedule=schedule, stages_per_rank=2, **kw)
-                for q in cfg.scale.stages
-            }
-            for schedule in zero_bubble_schedules(cfg)
-        }
+        entry["zero_bubble"] = _zero_bubble_replays(cfg, trace, net, kw)
     if "bandwidth_sweep" in replays:
-        entry["bandwidth_sweep"] = [
-            {"bytes_per_s": bw, **_headline(scale.compare(trace, p, _with_bandwidth(net, bw), policies=two, **kw))}
-            for bw in cfg.scale.bandwidths
-        ]
+        entry["bandwidth_sweep"] = _bandwidth_sweep(cfg, trace, net, kw)
     if preset is not None and "strength_sweep" in replays:
-        entry["strength_sweep"] = []
-        for s in preset.sweep:
-            tl = preset_timeline if s == strength else read_json(timeline_path(out, dynamic, s))
-            sweep_trace = trace if s == strength else timeline.realistic_trace(tl, table)
-            cmp = scale.compare(sweep_trace, p, net, policies=two, **kw)
-            entry["strength_sweep"].append({"strength": s, "val_loss": tl["val_loss"], **_headline(cmp)})
+        entry["strength_sweep"] = _strength_sweep(cfg, out, dynamic, preset_timeline, trace, table, net, kw)
         entry["seed_reached"] = scale.seed_reached(entry["strength_sweep"], SEED[dynamic])
     return entry
+
+
+def _zero_bubble_replays(
+    cfg: DictConfig, trace: list[dict[str, Any]], net: scale.Network, kw: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """The trace at every stage count under each schedule of ``scale.zero_bubble``, by schedule and stage count."""
+    # the same trace and batch on the same ranks under each zero-bubble schedule, two stages per rank
+    return {
+        schedule: {
+            str(q): scale.compare(trace, q, net, policies=_TWO, schedule=schedule, stages_per_rank=2, **kw)
+            for q in cfg.scale.stages
+        }
+        for schedule in zero_bubble_schedules(cfg)
+    }
+
+
+def _bandwidth_sweep(
+    cfg: DictConfig, trace: list[dict[str, Any]], net: scale.Network, kw: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The trace at ``scale.sweep_stages`` at every migration bandwidth of ``scale.bandwidths``."""
+    p = cfg.scale.sweep_stages
+    return [
+        {"bytes_per_s": bw, **_headline(scale.compare(trace, p, _with_bandwidth(net, bw), policies=_TWO, **kw))}
+        for bw in cfg.scale.bandwidths
+    ]
+
+
+def _strength_sweep(
+    cfg: DictConfig,
+    out: Path,
+    dynamic: str,
+    preset_timeline: dict[str, Any],
+    trace: list[dict[str, Any]],
+    table: layer_costs.CostTable,
+    net: scale.Network,
+    kw: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """The dynamic at every strength of its sweep, at ``scale.sweep_stages``: the headline and the loss of each.
+
+    Args:
+        cfg: the benchmark's config.
+        out: the benchmark directory (the timelines).
+        dynamic: the dynamic, one with a preset.
+        preset_timeline: the timeline at the preset's strength.
+        trace: the trace of that timeline.
+        table: the layer costs that price the timelines.
+        net: the network.
+        kw: ``scale.compare``'s micro-batch and balancing-interval arguments.
+    """
+    preset = timeline.PRESETS[dynamic]
+    p, sweep = cfg.scale.sweep_stages, []
+    for s in preset.sweep:
+        # the preset's own strength is the timeline and trace already at hand
+        tl = preset_timeline if s == preset.preset else read_json(timeline_path(out, dynamic, s))
+        sweep_trace = trace if s == preset.preset else timeline.realistic_trace(tl, table)
+        cmp = scale.compare(sweep_trace, p, net, policies=_TWO, **kw)
+        sweep.append({"strength": s, "val_loss": tl["val_loss"], **_headline(cmp)})
+    return sweep
+
+
+#: The policies of the zero-bubble replays and the sweeps.
+_TWO = ("uniform", "optimal")
 
 
 def zero_bubble_schedules(cfg: DictConfig) -> list[str]:

@@ -31,7 +31,7 @@ from dynmo_lightning.balance.memory import LayerBytes, MemoryModel, additive
 from dynmo_lightning.balance.placement import stage_ranks
 from dynmo_lightning.core.layer_calls import as_tuple
 from dynmo_lightning.pipeline.layers import StageModule
-from dynmo_lightning.profiling import LayerProfiler, static_memory
+from dynmo_lightning.profiling import LayerCost, LayerProfiler, static_memory
 
 
 @dataclasses.dataclass
@@ -108,29 +108,57 @@ def layer_bytes(stack: Stack, recompute: bool = False) -> list[LayerBytes]:
     with _fake(stack):
         x, target = stack.microbatch()
         for i in range(stack.n_layers):
-            profiler = LayerProfiler(torch.device("cpu"))
-            stage = _stage(stack, range(i, i + 1), recompute, profiler)
-            x = tuple(t.detach().requires_grad_(t.is_floating_point() and i > 0) for t in as_tuple(x))
-            params = static_memory(stage, None)[0]
-            grads = sum(p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad)
-            last = i == stack.n_layers - 1
-            profiler.start()  # a whole forward and backward, as a profiled step (a recomputation shows its casts)
-            y = stage(*x)
-            ends = [stack.loss(y, target)] if last else list(as_tuple(y))
-            stage_backward(ends[0] if last else ends, None if last else [torch.empty_like(t) for t in ends], list(x))
-            cost = profiler.stop()[i]
-            for p in stage.parameters():
-                p.grad = None
-            workspace = _backward_peak(stage, x, target if last else None, stack) - grads
-            # (activation checkpointing does not run under the split backward: strategy.activation_checkpointing)
-            split = i > 0 and not recompute
-            split_extra = _split_extra(stage, x, target if last else None, stack) if split else 0.0
-            activations = cost.activation_bytes + (_loss_held(y, target, stack) if last else 0)
-            inputs = sum(t.numel() * t.element_size() for t in x if t.is_floating_point())
-            out.append(LayerBytes(params, grads, 2 * grads, activations, cost.recompute_bytes, inputs,
-                                  workspace, split_extra, cost.weight_copies_bytes))  # fmt: skip
+            layer, y = _one_layer_bytes(stack, i, x, target, recompute)
+            out.append(layer)
             x = tuple(t.detach() for t in as_tuple(y))
     return out
+
+
+def _one_layer_bytes(stack: Stack, i: int, x: Any, target: Tensor, recompute: bool) -> tuple[LayerBytes, Any]:
+    """Layer ``i``'s bytes (see :func:`layer_bytes`) from its input ``x``; with the output its profiled step made.
+
+    Args:
+        stack: the model.
+        i: the layer.
+        x: the layer's input (the previous layer's output, detached; the micro-batch's input for the first).
+        target: the micro-batch's target (the last layer's loss takes it).
+        recompute: the layer under activation checkpointing.
+
+    Returns:
+        The layer's :class:`LayerBytes` and its output (the next layer's input).
+    """
+    profiler = LayerProfiler(torch.device("cpu"))
+    stage = _stage(stack, range(i, i + 1), recompute, profiler)
+    x = tuple(t.detach().requires_grad_(t.is_floating_point() and i > 0) for t in as_tuple(x))
+    params = static_memory(stage, None)[0]
+    grads = sum(p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad)
+    y, cost = _profiled_step(stack, stage, profiler, i, x, target)
+    last = i == stack.n_layers - 1
+    loss_target = target if last else None  # the loss only on the last layer
+    workspace = _backward_peak(stage, x, loss_target, stack) - grads
+    # (activation checkpointing does not run under the split backward: strategy.activation_checkpointing)
+    split = i > 0 and not recompute
+    split_extra = _split_extra(stage, x, loss_target, stack) if split else 0.0
+    activations = cost.activation_bytes + (_loss_held(y, target, stack) if last else 0)
+    inputs = sum(t.numel() * t.element_size() for t in x if t.is_floating_point())
+    layer = LayerBytes(params, grads, 2 * grads, activations, cost.recompute_bytes, inputs,
+                       workspace, split_extra, cost.weight_copies_bytes)  # fmt: skip
+    return layer, y
+
+
+def _profiled_step(
+    stack: Stack, stage: StageModule, profiler: LayerProfiler, i: int, x: tuple[Tensor, ...], target: Tensor
+) -> tuple[Any, LayerCost]:
+    """One forward and backward of layer ``i`` under the profiler: its output and the cost the profiler reports."""
+    last = i == stack.n_layers - 1
+    profiler.start()  # a whole forward and backward, as a profiled step (a recomputation shows its casts)
+    y = stage(*x)
+    ends = [stack.loss(y, target)] if last else list(as_tuple(y))
+    stage_backward(ends[0] if last else ends, None if last else [torch.empty_like(t) for t in ends], list(x))
+    cost = profiler.stop()[i]
+    for p in stage.parameters():
+        p.grad = None
+    return y, cost
 
 
 def _outputs(stage: nn.Module, x: tuple[Tensor, ...], target: Tensor | None, stack: Stack) -> tuple[list, list | None]:
@@ -222,18 +250,9 @@ def _rank_peak(
 ) -> int:
     with _fake(stack):
         modules = {s: _stage(stack, layers, recompute) for s, layers in stages.items()}
-        params = [p for module in modules.values() for p in module.parameters()]
-        optimizer = torch.optim.AdamW(params)
-        for p in params:  # a step before: AdamW's state exists, as in every step but the first
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer = _stepped_adamw(modules)
         shapes = _boundaries(stack, stages, n_stages)
-        # PipelineStage's receive buffers: an input per micro-batch (not on the first stage), an output gradient
-        # per micro-batch (not on the last)
-        recv = {s: [tuple(torch.empty_like(t) for t in shapes[s][0]) for _ in range(m)] for s in stages if s > 0}
-        grads = {s: [tuple(torch.empty_like(t) for t in shapes[s][1]) for _ in range(m)] for s in stages
-                 if s < n_stages - 1}  # fmt: skip
+        recv, grads = _receive_buffers(shapes, stages, n_stages, m)
         first = stack.microbatch()
         tracker = _tracker()
         tracker.track_external(*modules.values(), optimizer, *(t for b in (*recv.values(), *grads.values())
@@ -243,6 +262,37 @@ def _rank_peak(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return _total(tracker, "peak")
+
+
+def _stepped_adamw(modules: dict[int, StageModule]) -> torch.optim.AdamW:
+    """AdamW over the local stages' parameters, one step taken: its state exists, as in every step but the first."""
+    params = [p for module in modules.values() for p in module.parameters()]
+    optimizer = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def _receive_buffers(
+    shapes: dict[int, tuple[tuple[Tensor, ...], ...]], stages: dict[int, range], n_stages: int, m: int
+) -> tuple[dict[int, list[tuple[Tensor, ...]]], dict[int, list[tuple[Tensor, ...]]]]:
+    """PipelineStage's receive buffers of the local stages: inputs and output gradients, one per micro-batch each.
+
+    Args:
+        shapes: every local stage's input and output (:func:`_boundaries`).
+        stages: the local stages' layers.
+        n_stages: stages of the pipeline.
+        m: micro-batches per step.
+
+    Returns:
+        The input buffers (not on the first stage) and the output-gradient buffers (not on the last), by stage.
+    """
+    recv = {s: [tuple(torch.empty_like(t) for t in shapes[s][0]) for _ in range(m)] for s in stages if s > 0}
+    grads = {s: [tuple(torch.empty_like(t) for t in shapes[s][1]) for _ in range(m)] for s in stages
+             if s < n_stages - 1}  # fmt: skip
+    return recv, grads
 
 
 def _boundaries(stack: Stack, stages: dict[int, range], n_stages: int) -> dict[int, tuple[tuple[Tensor, ...], ...]]:
@@ -271,21 +321,26 @@ def _run(
     stack: Stack,
     n_stages: int,
 ) -> None:
-    """The rank's tasks in order, as torch's pipeline stage runs them (see ``pipeline/runtime.py``'s ``_Stage``)."""
+    """The rank's tasks in order, as torch's pipeline stage runs them (see ``pipeline/runtime.py``'s ``_Stage``).
+
+    The loop's locals (the last forward's output, the last backward's inputs and their gradients) stay referenced
+    until a later task rebinds them, and the tracked peak counts what they hold: so the helpers only compute values,
+    and the names that hold them stay in this loop.
+    """
     cache: dict[tuple[int, int], Any] = {}
     weights: dict[tuple[int, int], Any] = {}
     inputs0, target = first
     for kind, s, mb in order:
         module = modules[s]
         if kind == "F":
-            x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in recv[s][mb]) if s > 0 else inputs0
+            x = _stage_inputs(recv, s, mb, inputs0)
             y = module(*x)
-            out = [stack.loss(y, target)] if s == n_stages - 1 else list(as_tuple(y))
+            out = _stage_ends(stack, y, target, s == n_stages - 1)
             cache[(s, mb)] = (out, list(x))
             continue
         out, x = cache[(s, mb)] if kind != "W" else (None, None)
         g = None if s == n_stages - 1 else list(grads[s][mb])
-        with_grad = [t for t in (x or []) if isinstance(t, Tensor) and t.requires_grad]
+        with_grad = _needing_grad(x)
         if kind == "B" or (kind == "I" and not with_grad):  # no input gradient: the whole backward at once
             stage_backward(out[0] if g is None else out, g, x)  # the loss alone on the last stage, as torch's
             del cache[(s, mb)]
@@ -294,6 +349,23 @@ def _run(
             del cache[(s, mb)]
         elif (s, mb) in weights:
             stage_backward_weight(module.parameters(), weights.pop((s, mb)))
+
+
+def _stage_inputs(
+    recv: dict[int, list[tuple[Tensor, ...]]], s: int, mb: int, inputs0: tuple[Tensor, ...]
+) -> tuple[Tensor, ...]:
+    """A forward's inputs: the micro-batch on the first stage, else leaves over the received buffer."""
+    return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in recv[s][mb]) if s > 0 else inputs0
+
+
+def _stage_ends(stack: Stack, y: Any, target: Tensor, last: bool) -> list[Tensor]:
+    """What a forward's backward starts from: the loss on the last stage, else the stage's outputs."""
+    return [stack.loss(y, target)] if last else list(as_tuple(y))
+
+
+def _needing_grad(x: list[Any] | None) -> list[Tensor]:
+    """The inputs of a backward that want a gradient (none: the input and weight parts cannot be split)."""
+    return [t for t in (x or []) if isinstance(t, Tensor) and t.requires_grad]
 
 
 def gpt_stack(

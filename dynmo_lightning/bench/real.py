@@ -138,9 +138,40 @@ _EXHAUSTIVE = 2000
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """Train one case in this process (one rank of the job); returns what this rank measured."""
     L.seed_everything(0)
-    model_kw, data_kw, steps = case["model"], case["data"], case["steps"]
-    n_layers = model_kw["n_layer"] + 2
+    model_kw, data_kw = case["model"], case["data"]
+    n_layers = model_kw["n_layer"] + 2  # the blocks, the embedding and the head
     window = Window(case["measure_from"])
+    callbacks, balancer, costs = _case_callbacks(case, window, n_layers)
+    trainer = _case_trainer(case, callbacks)
+    data = StdlibCharDataModule(max_bytes=2_000_000, max_val_batches=8, **data_kw)
+    trainer.fit(GPT(**model_kw), datamodule=data)
+    result = {
+        "tokens_per_s": window.steps * data.tokens_per_batch / window.seconds if window.seconds else None,
+        "window_steps": window.steps,
+        "step_seconds": [round(t, 5) for t in window.step_seconds],
+        "partitions": trainer.strategy.partitions,
+        "events": window.events,
+        "moves": [p["step"] for p in trainer.strategy.partitions[1:]],
+        "val_loss": float(trainer.callback_metrics.get("val_loss", math.nan)),
+    }
+    if balancer is not None and costs is not None:
+        result.update(_balancer_result(balancer, costs))
+    return result
+
+
+def _case_callbacks(
+    case: dict[str, Any], window: Window, n_layers: int
+) -> tuple[list[L.Callback], DynMoBalancer | None, WindowCosts | None]:
+    """A case's callbacks: the window, its dynamic and, under a policy other than uniform, the balancer.
+
+    Args:
+        case: the case.
+        window: the case's :class:`Window`.
+        n_layers: pipeline layers of the case's model.
+
+    Returns:
+        The callbacks, the balancer and the window's costs it profiled (both ``None`` under the uniform policy).
+    """
     callbacks: list[L.Callback] = [window]
     dynamic = real_preset(case["dynamic"], n_layers)
     if dynamic is not None:
@@ -150,7 +181,13 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         balancer = DynMoBalancer(method=case["policy"], **case["balancer"])
         costs = WindowCosts(balancer, case["measure_from"])
         callbacks += [balancer, costs]
-    trainer = L.Trainer(
+    return callbacks, balancer, costs
+
+
+def _case_trainer(case: dict[str, Any], callbacks: list[L.Callback]) -> L.Trainer:
+    """The case's trainer: ``steps`` steps under DynMo's strategy, one validation at the end, nothing else."""
+    steps = case["steps"]
+    return L.Trainer(
         accelerator=case["accelerator"],
         devices=case["world_size"],
         max_steps=steps,
@@ -168,28 +205,22 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         limit_val_batches=8,
         num_sanity_val_steps=0,
     )
-    data = StdlibCharDataModule(max_bytes=2_000_000, max_val_batches=8, **data_kw)
-    trainer.fit(GPT(**model_kw), datamodule=data)
-    result = {
-        "tokens_per_s": window.steps * data.tokens_per_batch / window.seconds if window.seconds else None,
-        "window_steps": window.steps,
-        "step_seconds": [round(t, 5) for t in window.step_seconds],
-        "partitions": trainer.strategy.partitions,
-        "events": window.events,
-        "moves": [p["step"] for p in trainer.strategy.partitions[1:]],
-        "val_loss": float(trainer.callback_metrics.get("val_loss", math.nan)),
-    }
-    if balancer is not None and costs is not None:
-        result["profile_every_n_steps"] = balancer.policy.profile_every_n_steps
-        result["window_costs"] = costs.mean()
-        result["checks"] = [
+
+
+def _balancer_result(balancer: DynMoBalancer, costs: WindowCosts) -> dict[str, Any]:
+    """What a balanced case adds to its result: the profile interval, the window's costs, the checks, the moves."""
+    result: dict[str, Any] = {
+        "profile_every_n_steps": balancer.policy.profile_every_n_steps,
+        "window_costs": costs.mean(),
+        "checks": [
             {k: h.get(k) for k in ("step", "current", "proposed", "migrated", "current_step_s", "predicted_step_s",
                                    "predicted_saving_s", "predicted_migration_s")}
             for h in balancer.history
-        ]  # fmt: skip
-        moves = [h for h in balancer.history if h.get("migrated") and h["migrate_s"] > 0]
-        if moves:  # this process's bytes over its migration time
-            result["migration_bytes_per_s"] = sum(h["bytes_moved"] for h in moves) / sum(h["migrate_s"] for h in moves)
+        ],
+    }  # fmt: skip
+    moves = [h for h in balancer.history if h.get("migrated") and h["migrate_s"] > 0]
+    if moves:  # this process's bytes over its migration time
+        result["migration_bytes_per_s"] = sum(h["bytes_moved"] for h in moves) / sum(h["migrate_s"] for h in moves)
     return result
 
 
@@ -273,45 +304,67 @@ def summarize(
     point-to-point time of one activation (``link``, from :func:`measure_p2p`).
     """
     p2p = link["p2p_latency_s"] + link["p2p_bytes"] / link["p2p_bytes_per_s"]
-    rows = []
     by_key: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
     for case in cases:
         by_key.setdefault((case["dynamic"], case["policy"]), {})[case["repeat"]] = results[case["name"]]
-    for (dynamic, policy), runs in sorted(by_key.items()):
-        uniform = by_key[(dynamic, "uniform")]
-        ratios = [runs[r]["tokens_per_s"] / uniform[r]["tokens_per_s"] for r in sorted(runs) if r in uniform]
-        mean, low, high = interval95(ratios)
-        # over the split balanced once (profile once, never move): what re-balancing during training adds
-        static = by_key.get((dynamic, "static_time"), {})
-        over = [runs[r]["tokens_per_s"] / static[r]["tokens_per_s"] for r in sorted(runs) if r in static]
-        over_static = dict(zip(("ratio", "ratio_low", "ratio_high"), interval95(over), strict=True)) if over else None
-        shape = next(c for c in cases if c["dynamic"] == dynamic and c["policy"] == policy)
-        placement = (shape.get("schedule", "1f1b"), shape.get("stages_per_rank", 1))
-        ideals = [
-            ideal_ratio(run["window_costs"], shape["world_size"], shape["microbatches"], p2p, *placement)
-            for run in runs.values()
-            if run.get("window_costs")
-        ]
-        ideal = statistics.fmean(ideals) if ideals else None
-        lag = _lag(list(runs.values()))
-        rows.append(
-            {
-                "dynamic": dynamic,
-                "policy": policy,
-                "tokens_per_s": [runs[r]["tokens_per_s"] for r in sorted(runs)],
-                "ratio": mean,
-                "ratio_low": low,
-                "ratio_high": high,
-                "ratios": ratios,
-                "over_static_time": over_static,
-                "ideal_ratio": ideal,
-                "share_of_ideal": mean / ideal if ideal else None,
-                "val_loss": statistics.fmean(run["val_loss"] for run in runs.values()),
-                "reaction_lag_steps": lag,
-                "partitions": next(iter(runs.values()))["partitions"],
-            }
-        )
-    return rows
+    return [_summary_row(dynamic, policy, by_key, cases, p2p) for dynamic, policy in sorted(by_key)]
+
+
+def _summary_row(
+    dynamic: str,
+    policy: str,
+    by_key: dict[tuple[str, str], dict[int, dict[str, Any]]],
+    cases: list[dict[str, Any]],
+    p2p: float,
+) -> dict[str, Any]:
+    """One row of :func:`summarize`: a dynamic under a policy over its repeats.
+
+    Args:
+        dynamic: the dynamic.
+        policy: the policy.
+        by_key: every case's result, by dynamic and policy, then by repeat.
+        cases: the cases (the row's run shape: ranks, micro-batches, schedule).
+        p2p: seconds of one activation's point-to-point transfer.
+    """
+    runs = by_key[(dynamic, policy)]
+    ratios = _paired(runs, by_key[(dynamic, "uniform")])
+    mean, low, high = interval95(ratios)
+    # over the split balanced once (profile once, never move): what re-balancing during training adds
+    over = _paired(runs, by_key.get((dynamic, "static_time"), {}))
+    over_static = dict(zip(("ratio", "ratio_low", "ratio_high"), interval95(over), strict=True)) if over else None
+    ideal = _mean_ideal(runs, next(c for c in cases if c["dynamic"] == dynamic and c["policy"] == policy), p2p)
+    lag = _lag(list(runs.values()))
+    return {
+        "dynamic": dynamic,
+        "policy": policy,
+        "tokens_per_s": [runs[r]["tokens_per_s"] for r in sorted(runs)],
+        "ratio": mean,
+        "ratio_low": low,
+        "ratio_high": high,
+        "ratios": ratios,
+        "over_static_time": over_static,
+        "ideal_ratio": ideal,
+        "share_of_ideal": mean / ideal if ideal else None,
+        "val_loss": statistics.fmean(run["val_loss"] for run in runs.values()),
+        "reaction_lag_steps": lag,
+        "partitions": next(iter(runs.values()))["partitions"],
+    }
+
+
+def _paired(runs: dict[int, dict[str, Any]], base: dict[int, dict[str, Any]]) -> list[float]:
+    """Tokens/s of ``runs`` over ``base``'s, repeat by repeat (the repeats both ran)."""
+    return [runs[r]["tokens_per_s"] / base[r]["tokens_per_s"] for r in sorted(runs) if r in base]
+
+
+def _mean_ideal(runs: dict[int, dict[str, Any]], shape: dict[str, Any], p2p: float) -> float | None:
+    """The ideal ratio averaged over the repeats that profiled their window (``None``: none did)."""
+    placement = (shape.get("schedule", "1f1b"), shape.get("stages_per_rank", 1))
+    ideals = [
+        ideal_ratio(run["window_costs"], shape["world_size"], shape["microbatches"], p2p, *placement)
+        for run in runs.values()
+        if run.get("window_costs")
+    ]
+    return statistics.fmean(ideals) if ideals else None
 
 
 def across_arms(

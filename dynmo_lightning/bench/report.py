@@ -74,14 +74,8 @@ def _over_static(cmp: Mapping[str, Any], run: Mapping[str, Any] | None) -> str:
 
 
 #: The front page's names of the presets: the paper's dynamic and where its knob is set.
-FRONT_PAGE = {
-    "freezing": "AutoFreeze, percentile {}",
-    "pruning": "global, cubic, {}",
-    "early_exit": "min. depth {}",
-    "mod": "capacity {}",
-    "moe": "Switch, capacity {}",
-    "sparse_attention": "coverage {}",
-}
+FRONT_PAGE = {"freezing": "AutoFreeze, percentile {}", "pruning": "global, cubic, {}", "early_exit": "min. depth {}",
+              "mod": "capacity {}", "moe": "Switch, capacity {}", "sparse_attention": "coverage {}"}  # fmt: skip
 
 
 def front_page_table(sim: Mapping[str, Any]) -> list[str]:
@@ -112,6 +106,60 @@ def front_page_table(sim: Mapping[str, Any]) -> list[str]:
         label = f"{NAMES[dynamic]} ({FRONT_PAGE[dynamic].format(_strength(entry['strength']))})"
         cells = " | ".join(" / ".join(f"{v:.2f}" for v in values) + TIMES for values in columns)
         lines.append(f"| {label} | {cells} | {share} | {entry['val_loss']:.3f} | {_x(SEED.get(dynamic))} |")
+    return lines
+
+
+def _interval(row: Mapping[str, Any], bold: bool = False) -> str:
+    ratio = f"**{_x(row['ratio'])}**" if bold else _x(row["ratio"])
+    return f"{ratio} [{row['ratio_low']:.3f}, {row['ratio_high']:.3f}]"
+
+
+def real_front_page(real: Mapping[str, Any], zbv: Mapping[str, Any] | None = None) -> list[str]:
+    """The README's sentences on the real A/B (``real.json``) and, with ``zbv`` (``real_zbv.json``), its ZBV arm.
+
+    DynMo over the uniform split and over ``static_time`` (where that arm ran) per dynamic with 95 % intervals, and
+    the share of the ideal ratio; for the ZBV arm DynMo over ZBV's uniform split with its ideal, and DynMo + ZBV over
+    DynMo + 1F1B measured in the same processes. A test holds the README to these (whitespace aside).
+    """
+    return [_real_sentence(real), *(_zbv_sentences(zbv) if zbv else [])]
+
+
+def _real_sentence(real: Mapping[str, Any]) -> str:
+    """The sentence on the first arm: DynMo over uniform and over ``static_time``, and its share of the ideal."""
+    cfg = real["config"]
+    rows = {(r["dynamic"], r["policy"]): r for r in real["rows"]}
+    dynmo = [(d, r) for (d, policy), r in rows.items() if policy == "optimal"]
+    arms = ", ".join(f"`{p}`" if p != "optimal" else "DynMo" for p in cfg["policies"])
+    parts = [f"{NAMES[d]} {_interval(r, bold=True)}" for d, r in dynmo]
+    static = [f"{NAMES[d]} {_interval(r['over_static_time'])}" for d, r in dynmo if r.get("over_static_time")]
+    lo, hi = _span(round(100 * r["share_of_ideal"]) for _, r in dynmo if r.get("share_of_ideal"))
+    schedule = cfg.get("schedule", "1f1b").upper()
+    text = (
+        f"**Real A/B on {cfg['world_size']} CPU ranks** (GPT {cfg['model']['n_layer']} {TIMES} "
+        f"{cfg['model']['n_embd']}, {cfg['microbatches']} micro-batches, {schedule}; {arms} alternating, "
+        f"{cfg['repeats']} repeats, 95 % intervals): DynMo over uniform, {', '.join(parts)}"
+    )
+    if static:
+        text += f"; over `static_time` (what moving layers during training adds), {', '.join(static)}"
+    share = f"{lo}{DASH}{hi}" if lo != hi else f"{lo}"
+    return f"{text}; {share} % of the ideal ratio of the same window."
+
+
+def _zbv_sentences(zbv: Mapping[str, Any]) -> list[str]:
+    """A sentence per dynamic on the ZBV arm: DynMo over ZBV's uniform V, and over DynMo + 1F1B where it ran."""
+    z = {(r["dynamic"], r["policy"]): r for r in zbv["rows"]}
+    same = {(r["dynamic"], r["policy"]): r for r in (zbv.get("same_run") or {}).get("rows", [])}
+    lines = []
+    for (dynamic, policy), row in z.items():
+        if policy != "optimal":
+            continue
+        sentence = (
+            f"On {zbv['config']['world_size']} CPU ranks under ZBV, {NAMES[dynamic]}: DynMo over the uniform V "
+            f"{_interval(row, bold=True)} ({_pct(row['share_of_ideal'])} of the ideal {_x(row['ideal_ratio'])})"
+        )
+        if (dynamic, policy) in same:
+            sentence += f", DynMo + ZBV over DynMo + 1F1B {_interval(same[(dynamic, policy)])} in the same processes"
+        lines.append(sentence + ".")
     return lines
 
 
@@ -233,19 +281,13 @@ def real_table(real: Mapping[str, Any]) -> list[str]:
 
 def _real_row(dynamic: str, uniform: Mapping[str, Any], run: Mapping[str, Any]) -> str:
     lag = run.get("reaction_lag_steps")
-    lag_text = (
-        f"{lag['max_steps']} steps ({lag['max_intervals']:.1f} profile intervals; moves after "
-        f"{lag.get('answered', '?')} of {lag.get('events', '?')} events)"
-        if lag
-        else "—"
-    )
+    lag_text = (f"{lag['max_steps']} steps ({lag['max_intervals']:.1f} profile intervals; moves after "
+                f"{lag.get('answered', '?')} of {lag.get('events', '?')} events)" if lag else "—")  # fmt: skip
     name = "DynMo" if run["policy"] == "optimal" else f"`{run['policy']}`"
-    ratio = f"**{_x(run['ratio'])}** [{run['ratio_low']:.3f}, {run['ratio_high']:.3f}]"
-    over = run.get("over_static_time")
-    static = f"{_x(over['ratio'])} [{over['ratio_low']:.3f}, {over['ratio_high']:.3f}]" if over else "—"
+    static = _interval(run["over_static_time"]) if run.get("over_static_time") else "—"
     return (
         f"| {NAMES.get(dynamic, dynamic)} | {np.mean(uniform['tokens_per_s']):,.0f} | {name} "
-        f"| {np.mean(run['tokens_per_s']):,.0f} | {ratio} | {static} | {_x(run['ideal_ratio'])} "
+        f"| {np.mean(run['tokens_per_s']):,.0f} | {_interval(run, bold=True)} | {static} | {_x(run['ideal_ratio'])} "
         f"| {_pct(run['share_of_ideal'])} | {lag_text} | {run['val_loss']:.3f} |"
     )
 
@@ -288,11 +330,9 @@ def plot_speedups(sim: Mapping[str, Any], path: Path) -> Path:
     for col, p in enumerate(stages):
         panel = ax[0, col]
         x = np.arange(len(dynamics))
+        runs = [sim["dynamics"][d]["by_stages"][p] for d in dynamics]
         for k, (key, label) in enumerate(bars):
-            values = []
-            for d in dynamics:
-                cmp = sim["dynamics"][d]["by_stages"][p]
-                values.append(cmp["oracle"]["speedup"] if key == "oracle" else cmp["policies"][key]["speedup"])
+            values = [cmp["oracle"]["speedup"] if key == "oracle" else cmp["policies"][key]["speedup"] for cmp in runs]
             panel.bar(x + (k - 1.5) * 0.2, values, 0.2, label=label)
         panel.scatter(x, [SEED[d] for d in dynamics], marker="*", s=120, color="k", zorder=3, label="seed (paper)")
         panel.axhline(1.0, color="grey", lw=0.8, ls=":")
@@ -409,10 +449,9 @@ def _scale_section(sim: Mapping[str, Any]) -> list[str]:
         f"{net['migration_bandwidth'] / 1e9:.2f} GB/s (all measured on this machine). Speed-ups are over the uniform "
         "split (Megatron-LM's); the oracle re-splits makespan-optimally at every step, for free. Every step time, "
         "decision and oracle split comes from the makespan of 1F1B's own task order (`balance.makespan`). The "
-        "uniform split gives every stage the same number of blocks and leaves the embedding and the vocabulary "
-        "head on the end stages, so a "
-        "split balanced once on measured costs (`static_time`) already beats it without any dynamic; the column "
-        "*DynMo over `static_time`* is what re-balancing during training adds to that.",
+        "uniform split gives every stage the same number of blocks and leaves the embedding and the vocabulary head on "
+        "the end stages, so a split balanced once on measured costs (`static_time`) already beats it without any "
+        "dynamic; the column *DynMo over `static_time`* is what re-balancing during training adds to that.",
         "",
         *headline_table(sim),
         "",
@@ -478,11 +517,8 @@ def _zero_bubble_section(sim: Mapping[str, Any]) -> list[str]:
 
 def _one_layer_note(by_ranks: Mapping[str, Any]) -> str:
     """A sentence on the stage counts at which every stage holds one layer (nothing left to balance)."""
-    full = [
-        (p, cmp["n_stages"])
-        for p, cmp in by_ranks.items()
-        if sum(cmp["policies"]["uniform"]["partitions"][0][1]) <= cmp["n_stages"]
-    ]
+    full = [(p, cmp["n_stages"]) for p, cmp in by_ranks.items()
+            if sum(cmp["policies"]["uniform"]["partitions"][0][1]) <= cmp["n_stages"]]  # fmt: skip
     return "".join(f" At P = {p} the {n} stages hold one layer each: no split is left to choose." for p, n in full)
 
 
@@ -539,7 +575,7 @@ def _same_run_table(real: Mapping[str, Any]) -> list[str]:
     same = real.get("same_run")
     if not same or not same["rows"]:
         return []
-    other = same["vs"]
+    other = "1F1B" if same["vs"] == "real" else same["vs"]  # the first arm's file is real.json under 1F1B
     lines = [
         f"In the same processes, alternated with the `{other}` arm in every repeat: this schedule's tokens/s over "
         f"that one's, paired by repeat (95 % intervals).",
@@ -549,10 +585,7 @@ def _same_run_table(real: Mapping[str, Any]) -> list[str]:
     ]
     for row in same["rows"]:
         name = "DynMo" if row["policy"] == "optimal" else f"`{row['policy']}`"
-        lines.append(
-            f"| {NAMES.get(row['dynamic'], row['dynamic'])} | {name} "
-            f"| **{_x(row['ratio'])}** [{row['ratio_low']:.3f}, {row['ratio_high']:.3f}] |"
-        )
+        lines.append(f"| {NAMES.get(row['dynamic'], row['dynamic'])} | {name} | {_interval(row, bold=True)} |")
     return [*lines, ""]
 
 

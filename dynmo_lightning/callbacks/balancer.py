@@ -133,14 +133,29 @@ class DynMoBalancer(Callback):
                 with FSDP2 / replicate units or tensor parallelism, a ``memory_capacity`` list of the wrong length
                 or one that cannot hold the model's weights.
         """
-        if self.settings.repack and self.settings.min_stages > job.pp_size:
+        self._check_repack(job)
+        self._check_memory_capacity(job)
+
+    def _check_repack(self, job: JobShape) -> None:
+        """Refuse ``repack`` on a job whose world a consolidation could not restart on fewer processes.
+
+        Args:
+            job: the job's size and layout.
+
+        Raises:
+            ValueError: ``min_stages`` above the pipeline's processes, several stages per rank, FSDP2 / replicate
+                units or tensor parallelism (in this order).
+        """
+        if not self.settings.repack:
+            return
+        if self.settings.min_stages > job.pp_size:
             raise ValueError(
                 f"balancer.min_stages={self.settings.min_stages} > the pipeline's {job.pp_size} processes: lower it "
                 "(or start more processes)"
             )
-        if self.settings.repack and job.stages_per_rank != 1:
+        if job.stages_per_rank != 1:
             raise ValueError("balancer.repack needs one stage per rank (strategy.stages_per_rank=1)")
-        if self.settings.repack and job.data_parallel != "ddp":
+        if job.data_parallel != "ddp":
             # A consolidation restarts the world on fewer processes: units would have to be sharded again over new
             # replica groups, and released processes joining as replicas would reshard every layer.
             raise ValueError(
@@ -148,12 +163,23 @@ class DynMoBalancer(Callback):
                 "restarts the world, and FSDP2 / replicate units cannot follow it yet. Use balancer.repack=false "
                 "(layers still move between stages), or strategy.data_parallel='ddp'"
             )
-        if self.settings.repack and job.tensor_parallel_size > 1:
+        if job.tensor_parallel_size > 1:
             raise ValueError(
                 f"balancer.repack with strategy.tensor_parallel_size={job.tensor_parallel_size} is not supported: "
                 "consolidation restarts the world on fewer processes, and the layers' splits cannot follow it yet. "
                 "Use balancer.repack=false (layers still move between stages), or strategy.tensor_parallel_size=1"
             )
+
+    def _check_memory_capacity(self, job: JobShape) -> None:
+        """Refuse a ``memory_capacity`` of the wrong length, or one that cannot hold the model's weights.
+
+        Args:
+            job: the job's size and, when the launching process could tell, its layers' parameter bytes.
+
+        Raises:
+            ValueError: a list of capacities not one per stage, or capacities below the largest layer's or all
+                layers' weights.
+        """
         capacity = self.settings.memory_capacity
         if capacity is None or capacity == "auto":  # "auto": the device's memory, known on the workers
             return

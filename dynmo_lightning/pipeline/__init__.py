@@ -10,10 +10,11 @@
 * ``layout`` - replicas, tensor-parallel groups, data shards and batch parts, THE rank mapping, the device mesh.
 * ``migration`` - layers moving between processes with everything that defines them; packing onto fewer ranks.
 * ``neighbours`` - diffusion balancing at runtime: one protocol stage per process, cards sent to its neighbours.
+* ``plugins`` - the strategy's wrapping of the Trainer's plugins: clipping over all stages, atomic checkpoints.
 * ``precision`` - the Trainer's precision plugin, with clipping by the pipeline's global gradient norm.
 * ``reduce`` - whole-model sums over stages (loss, gradient and parameter norms, layer costs), averages over replicas.
 * ``release`` - telling the job manager (Slurm, a command) which ranks and whole nodes a consolidation freed.
-* ``resize`` - the strategy's shrink and grow: consolidating onto fewer processes and re-admitting them.
+* ``resize`` - the strategy's shrink and grow (it reads ``ResizeHost``, returns ``Resized``, never writes back).
 * ``runtime`` - stages and schedules of ``torch.distributed.pipelining`` from a partition (:class:`StagePlan`).
 * ``safe_load`` - reading checkpoint files without running code from them.
 * ``settings`` - :class:`StrategySettings`: the strategy's settings, one name and one default each (Hydra's too).

@@ -54,27 +54,86 @@ def check_arguments(
     Raises:
         ValueError: a setting is out of range or unknown.
     """
-    if not isinstance(n_microbatches, int) or n_microbatches < 1:
-        raise ValueError(f"strategy.n_microbatches={n_microbatches!r} must be a positive integer")
+    # One check per setting, in the order users have always been told of the first wrong one.
+    _check_positive_int("n_microbatches", n_microbatches)
+    _check_schedule(schedule)
+    _check_partition(partition)
+    _check_positive_int("stages_per_rank", stages_per_rank)
+    _check_positive_int("data_parallel_size", data_parallel_size)
+    _check_heartbeat_timeout(heartbeat_timeout)
+    _check_data_parallel(data_parallel)
+    _check_positive_int("tensor_parallel_size", tensor_parallel_size)
+    _check_tensor_parallel_replicas(tensor_parallel_size, data_parallel_size, data_parallel)
+    checkpoint_policy(activation_checkpointing)
+    if schedule in SPLIT_BACKWARD:
+        check_split_backward(schedule, data_parallel_size, activation_checkpointing, data_parallel)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    """Refuse a ``DynMoStrategy`` setting that must be a positive integer and is not.
+
+    Args:
+        name: the setting's name (as in ``strategy.<name>``).
+        value: its value.
+
+    Raises:
+        ValueError: ``value`` is not an ``int`` of at least 1.
+    """
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"strategy.{name}={value!r} must be a positive integer")
+
+
+def _check_schedule(schedule: Any) -> None:
+    """Refuse an unknown ``strategy.schedule``.
+
+    Raises:
+        ValueError: ``schedule`` is not one of :data:`SCHEDULES`.
+    """
     if schedule not in SCHEDULES:
         raise ValueError(f"strategy.schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
+
+
+def _check_partition(partition: Any) -> None:
+    """Refuse an unknown named ``strategy.partition`` (a list of layers per stage is checked in set-up).
+
+    Raises:
+        ValueError: ``partition`` is a string other than one of :data:`PARTITIONS`.
+    """
     if isinstance(partition, str) and partition not in PARTITIONS:
         raise ValueError(
             f"strategy.partition={partition!r} is not one of {list(PARTITIONS)} or a list of layers per stage"
         )
-    if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
-        raise ValueError(f"strategy.stages_per_rank={stages_per_rank!r} must be a positive integer")
-    if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
-        raise ValueError(f"strategy.data_parallel_size={data_parallel_size!r} must be a positive integer")
+
+
+def _check_heartbeat_timeout(heartbeat_timeout: float) -> None:
+    """Refuse a ``strategy.heartbeat_timeout`` that is not a positive number of seconds.
+
+    Raises:
+        ValueError: ``heartbeat_timeout`` is zero or negative.
+    """
     if heartbeat_timeout <= 0:
         raise ValueError(f"strategy.heartbeat_timeout={heartbeat_timeout} must be > 0 seconds")
+
+
+def _check_data_parallel(data_parallel: Any) -> None:
+    """Refuse an unknown ``strategy.data_parallel`` mode.
+
+    Raises:
+        ValueError: ``data_parallel`` is not one of the sharding modes.
+    """
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(
             f"strategy.data_parallel={data_parallel!r} is not one of {list(DATA_PARALLEL)} (ddp: whole stages "
             "per replica; fsdp: FSDP2 shards every layer over the replicas; replicate: torch's FSDP-based replicate)"
         )
-    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-        raise ValueError(f"strategy.tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
+
+
+def _check_tensor_parallel_replicas(tensor_parallel_size: int, data_parallel_size: int, data_parallel: str) -> None:
+    """Refuse DDP replicas of a pipeline whose stages are split over processes (tensor parallelism).
+
+    Raises:
+        ValueError: ``tensor_parallel_size > 1`` with several replicas and ``data_parallel="ddp"``.
+    """
     if tensor_parallel_size > 1 and data_parallel_size > 1 and data_parallel == "ddp":
         # DDP's reducer averages plain tensors; split layers hold DTensors, which FSDP2's units reduce (2-D).
         raise ValueError(
@@ -82,9 +141,6 @@ def check_arguments(
             "needs strategy.data_parallel='fsdp' (or 'replicate'): DDP cannot average the gradients of layers split "
             "over processes (DTensors)."
         )
-    checkpoint_policy(activation_checkpointing)
-    if schedule in SPLIT_BACKWARD:
-        check_split_backward(schedule, data_parallel_size, activation_checkpointing, data_parallel)
 
 
 def check_split_backward(

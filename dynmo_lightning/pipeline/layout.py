@@ -380,40 +380,16 @@ def make_mesh(
         ValueError: the default group's backend cannot move tensors of ``device`` (:func:`group_device`), or moves
             them only through the host (gloo with CUDA devices: stages could not send their activations).
     """
-    wire = group_device(device)
-    if wire != device:
-        raise ValueError(
-            f"process_group_backend={str(dist.get_backend())!r} sends CPU tensors only, and this process's layers are "
-            f"on {device}: use 'nccl' (the default for CUDA devices)."
-        )
+    wire = _wire_device(device)
     d, t, rows = layout.dp_size, layout.tp_size, len(layout.replicas)
     host = wire.type == "cpu"  # gloo groups: they carry host data themselves
-
-    def groups(all_ranks: list[list[int]]) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-        """Every group of ``all_ranks`` (and its CPU twin); this process's pair."""
-        mine = (None, None)
-        for ranks in all_ranks:
-            group = dist.new_group(ranks, timeout=timeout)
-            cpu = (
-                group
-                if host
-                else dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
-            )
-            if global_rank in ranks:
-                mine = (group, cpu)
-        return mine
-
     control = None if host else dist.new_group(backend="gloo", timeout=timeout)
-    pp_group, pp_control = groups(layout.replicas if rows > 1 else [])
-    p = layout.pp_size
-    dp_group, dp_control = groups([layout.stage_ranks(s, j) for s in range(p) for j in range(t)] if d > 1 else [])
-    tp_group, _ = groups([layout.tp_ranks(s, i) for i in range(d) for s in range(p)] if t > 1 else [])
-    stage_control = None
-    for s in range(p) if t > 1 and rows > 1 else []:
-        ranks = [row[s] for row in layout.replicas]
-        group = dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=not host)
-        if global_rank in ranks:
-            stage_control = group
+    pp_ranks, dp_ranks, tp_ranks = _mesh_ranks(layout)
+    # Every process makes every group, in this order (new_group is collective over the job).
+    pp_group, pp_control = _new_groups(pp_ranks, global_rank, timeout, host)
+    dp_group, dp_control = _new_groups(dp_ranks, global_rank, timeout, host)
+    tp_group, _ = _new_groups(tp_ranks, global_rank, timeout, host)
+    stage_control = _stage_control(layout, global_rank, timeout, host) if t > 1 and rows > 1 else None
     row = layout.row(global_rank)
     # One pipeline: the pipeline is the default group (as before data and tensor parallelism existed).
     pipeline = PipelineGroup(
@@ -423,6 +399,92 @@ def make_mesh(
     if unit_groups and d == 1:
         replica_group = _own_group(global_rank, layout.order, host, timeout)
     return Mesh(pipeline, dp_group, control, layout, device.type, dp_control, replica_group, tp_group, stage_control)
+
+
+def _wire_device(device: torch.device) -> torch.device:
+    """The device the default group's tensors live on, refused unless it is ``device`` itself.
+
+    Args:
+        device: where this process's layers live.
+
+    Returns:
+        ``device`` (what :func:`group_device` chose for the default group).
+
+    Raises:
+        ValueError: the default group moves ``device``'s tensors only through the host (stages could not send their
+            activations).
+    """
+    wire = group_device(device)
+    if wire != device:
+        raise ValueError(
+            f"process_group_backend={str(dist.get_backend())!r} sends CPU tensors only, and this process's layers are "
+            f"on {device}: use 'nccl' (the default for CUDA devices)."
+        )
+    return wire
+
+
+def _mesh_ranks(layout: ReplicaLayout) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """The global ranks of the pipeline, replica and tensor-parallel groups :func:`make_mesh` makes for ``layout``.
+
+    Only the groups something uses: the pipelines only when there are several (one pipeline is the default group),
+    replica groups only with several replicas, tensor-parallel groups only with several processes per stage.
+
+    Args:
+        layout: the replicas (and tensor-parallel groups).
+
+    Returns:
+        ``(pipelines, replica groups, tensor-parallel groups)``, each in the order the groups are made (empty: none).
+    """
+    p, d, t = layout.pp_size, layout.dp_size, layout.tp_size
+    pp_ranks = layout.replicas if len(layout.replicas) > 1 else []
+    dp_ranks = [layout.stage_ranks(s, j) for s in range(p) for j in range(t)] if d > 1 else []
+    tp_ranks = [layout.tp_ranks(s, i) for i in range(d) for s in range(p)] if t > 1 else []
+    return pp_ranks, dp_ranks, tp_ranks
+
+
+def _new_groups(
+    all_ranks: list[list[int]], global_rank: int, timeout: timedelta, host: bool
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Make every group of ``all_ranks`` (and its CPU twin); this process's pair (collective over the job).
+
+    Args:
+        all_ranks: the global ranks of each group, in the order every process makes them.
+        global_rank: this process's rank.
+        timeout: timeout of every group.
+        host: whether the default backend is gloo (a group is then its own CPU twin).
+
+    Returns:
+        ``(group, cpu twin)`` of the group holding ``global_rank``, ``(None, None)`` if none does.
+    """
+    mine: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
+    for ranks in all_ranks:
+        group = dist.new_group(ranks, timeout=timeout)
+        # the CPU twin is made by its members only (see make_mesh)
+        cpu = group if host else dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+        if global_rank in ranks:
+            mine = (group, cpu)
+    return mine
+
+
+def _stage_control(layout: ReplicaLayout, global_rank: int, timeout: timedelta, host: bool) -> dist.ProcessGroup | None:
+    """Make the CPU group of every pipeline rank's processes (all replicas and tensor-parallel ranks); this one's.
+
+    Args:
+        layout: the replicas (and tensor-parallel groups).
+        global_rank: this process's rank.
+        timeout: timeout of every group.
+        host: whether the default backend is gloo (every process then makes every group).
+
+    Returns:
+        The group of this process's pipeline rank.
+    """
+    stage_control = None
+    for s in range(layout.pp_size):
+        ranks = [row[s] for row in layout.replicas]
+        group = dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=not host)
+        if global_rank in ranks:
+            stage_control = group
+    return stage_control
 
 
 def _own_group(global_rank: int, order: list[int], host: bool, timeout: timedelta) -> dist.ProcessGroup:
@@ -454,26 +516,58 @@ def shard_dataloader(dataloader: Any, shard: int, n_shards: int, seed: int) -> A
     injection would always shuffle training data); other samplers are sharded around (``DistributedSamplerWrapper``).
     Loaders of iterable datasets, without batches, or already sharded over several replicas are left alone.
     """
-    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+    if _left_alone(dataloader):
         return dataloader
     sampler = dataloader.sampler
-    if dataloader.batch_sampler is None or (isinstance(sampler, DistributedSampler) and sampler.num_replicas > 1):
-        return dataloader
     plain = type(sampler) in (RandomSampler, SequentialSampler) and not getattr(sampler, "replacement", False)
-    if isinstance(sampler, DistributedSampler):  # one shard: keep its shuffle, seed and drop_last
-        if n_shards == 1:
-            return dataloader
-        shuffle, seed, drop_last = sampler.shuffle, sampler.seed, sampler.drop_last
-    elif plain:
-        shuffle, drop_last = isinstance(sampler, RandomSampler), False
-        if shuffle and sampler.generator is not None and n_shards == 1:
-            return dataloader  # the user seeded it: every stage draws the same order
-    else:
+    if not plain and not isinstance(sampler, DistributedSampler):  # sharded around
         if n_shards == 1:
             return dataloader
         wrapped = DistributedSamplerWrapper(sampler, num_replicas=n_shards, rank=shard, shuffle=False)
         return _update_dataloader(dataloader, wrapped)
+    settings = _sampler_settings(sampler, n_shards, seed)
+    if settings is None:
+        return dataloader
+    shuffle, seed, drop_last = settings
     if n_shards == 1 and not shuffle:
         return dataloader  # sequential: exactly the single-device order
     sharded = DistributedSampler(dataloader.dataset, n_shards, shard, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return _update_dataloader(dataloader, sharded)
+
+
+def _left_alone(dataloader: Any) -> bool:
+    """Whether :func:`shard_dataloader` keeps ``dataloader`` as it is, whatever the shards.
+
+    Args:
+        dataloader: the user's dataloader (or anything a Trainer call was given).
+
+    Returns:
+        True for a loader of an iterable dataset, one without batches, one already sharded over several replicas,
+        and anything that is not a ``DataLoader``.
+    """
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return True
+    sampler = dataloader.sampler
+    return dataloader.batch_sampler is None or (isinstance(sampler, DistributedSampler) and sampler.num_replicas > 1)
+
+
+def _sampler_settings(sampler: Any, n_shards: int, seed: int) -> tuple[bool, int, bool] | None:
+    """The ``(shuffle, seed, drop_last)`` a sharding ``DistributedSampler`` keeps of ``sampler``.
+
+    Args:
+        sampler: a ``DistributedSampler`` of one shard, or a plain ``RandomSampler`` / ``SequentialSampler``.
+        n_shards: shards the data is cut into.
+        seed: the seed of a sampler that has none of its own.
+
+    Returns:
+        The settings, or ``None`` where the loader stays as it is: a ``DistributedSampler`` when there is one
+        shard, or a ``RandomSampler`` the user seeded when there is one shard (every stage draws the same order).
+    """
+    if isinstance(sampler, DistributedSampler):  # one shard: keep its shuffle, seed and drop_last
+        if n_shards == 1:
+            return None
+        return sampler.shuffle, sampler.seed, sampler.drop_last
+    shuffle = isinstance(sampler, RandomSampler)
+    if shuffle and sampler.generator is not None and n_shards == 1:
+        return None  # the user seeded it: every stage draws the same order
+    return shuffle, seed, False

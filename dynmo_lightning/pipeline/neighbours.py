@@ -64,26 +64,65 @@ def run_stage(stage: DiffusionStage, pipe: PipelineGroup) -> NeighbourStats:
     t0, group = time.perf_counter(), pipe.control
     device = group_device(torch.device("cpu"), group)
     peers = [pipe.global_rank(r) if 0 <= r < pipe.size else None for r in (pipe.rank - 1, pipe.rank + 1)]
-    width = stage.card_floats
+    width = stage.card_floats  # fixed for the run: every card (and every inbox) has this many floats
     sent = 0
     while stage.card is not None:
-        out = torch.tensor(stage.card.encode(stage.slots), dtype=torch.float64, device=device)
-        inbox = [torch.empty(width, dtype=torch.float64, device=device) if p is not None else None for p in peers]
-        ops = []
-        for peer, buffer in zip(peers, inbox, strict=True):
-            if peer is not None and buffer is not None:
-                ops += [dist.P2POp(dist.isend, out, peer, group), dist.P2POp(dist.irecv, buffer, peer, group)]
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        sent += 8 * width * (len(ops) // 2)
-        left, right = (_card(buffer, stage.width, stage.slots) for buffer in inbox)
-        stage.step(left, right)
-    rounds = torch.tensor([float(stage.rounds)], dtype=torch.float64, device=device)
-    dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=group)  # the one collective: a termination check
-    if int(rounds.item()) != stage.rounds:
-        raise RuntimeError(f"pipeline rank {pipe.rank} ended diffusion after {stage.rounds} rounds, another later")
+        sent += _exchange_cards(stage, stage.card, peers, width, group, device)
+    _check_same_rounds(stage, pipe, device)
     assert stage.outcome is not None
     return NeighbourStats(stage.outcome, stage.rounds, stage.probes, sent, time.perf_counter() - t0)
+
+
+def _exchange_cards(
+    stage: DiffusionStage,
+    card: Card,
+    peers: list[int | None],
+    width: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> int:
+    """One round: send ``card`` to both neighbours, receive theirs, and step ``stage`` with them.
+
+    Args:
+        stage: this process's protocol stage.
+        card: the stage's card of this round.
+        peers: global ranks of the previous and the next process of the pipeline (``None``: no such neighbour).
+        width: floats of one encoded card (:attr:`DiffusionStage.card_floats`).
+        group: the pipeline's control group the cards go over.
+        device: where the group's tensors live (:func:`group_device`).
+
+    Returns:
+        Bytes this process sent this round.
+    """
+    out = torch.tensor(card.encode(stage.slots), dtype=torch.float64, device=device)
+    inbox = [torch.empty(width, dtype=torch.float64, device=device) if p is not None else None for p in peers]
+    ops = []
+    for peer, buffer in zip(peers, inbox, strict=True):
+        if peer is not None and buffer is not None:
+            ops += [dist.P2POp(dist.isend, out, peer, group), dist.P2POp(dist.irecv, buffer, peer, group)]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    left, right = (_card(buffer, stage.width, stage.slots) for buffer in inbox)
+    stage.step(left, right)
+    return 8 * width * (len(ops) // 2)
+
+
+def _check_same_rounds(stage: DiffusionStage, pipe: PipelineGroup, device: torch.device) -> None:
+    """The termination check: every stage of the pipeline ended in the same round (collective over the pipeline).
+
+    Args:
+        stage: this process's protocol stage, ended.
+        pipe: the pipeline (the check runs over its control group).
+        device: where the control group's tensors live.
+
+    Raises:
+        RuntimeError: if another stage ended in a later round.
+    """
+    rounds = torch.tensor([float(stage.rounds)], dtype=torch.float64, device=device)
+    # the one collective: a MAX turns a disagreement into an error instead of a hang
+    dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=pipe.control)
+    if int(rounds.item()) != stage.rounds:
+        raise RuntimeError(f"pipeline rank {pipe.rank} ended diffusion after {stage.rounds} rounds, another later")
 
 
 def _card(buffer: torch.Tensor | None, width: int, slots: int) -> Card | None:

@@ -198,24 +198,61 @@ class GlobalNormClipping:
 
     def __call__(self, optimizer: Optimizer, clip_val: float) -> None:
         """Scale the local gradients of ``optimizer`` so the global norm is at most ``clip_val``."""
+        trainable, slots = self._trainable_slots(optimizer)
+        params = [p for p in trainable if p.grad is not None]
+        size = len(optimizer.param_groups) * len(self.param_order)
+        pipe = self.pipe()
+        device = pipe.device
+        table = self._local_table(trainable, slots, size, device, bool(params))
+        # on an accelerator, runs while the host sums which slots are filled (below)
+        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=None if self.sharded else pipe.group)
+        copies = self._copies(slots, size, pipe)
+        if not params:
+            return
+        total = self._total_norm(table, copies, device, params[0].grad.dtype)
+        self._clip(params, clip_val, total)
+
+    def _trainable_slots(self, optimizer: Optimizer) -> tuple[list[Tensor], list[int]]:
+        """The trainable parameters of ``optimizer`` in its order, and each one's slot in the unsplit model's table.
+
+        Args:
+            optimizer: the optimizer whose parameter groups are clipped.
+
+        Returns:
+            The trainable parameters and their slots (``group * len(param_order) + position``).
+        """
         position = {name: i for i, name in enumerate(self.param_order)}
         names, n = self.names(), len(self.param_order)
         # A slot per trainable parameter (a layout changes only when layers freeze, move or are pruned); one whose
         # gradient is None this step (an MoE expert that got no token, on the per-expert path) adds a zero norm:
         # the same sum as torch's, which leaves it out.
-        trainable, slots = [], []
+        trainable: list[Tensor] = []
+        slots: list[int] = []
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if p.requires_grad:
                     trainable.append(p)
                     slots.append(g * n + position[names[id(p)]])
-        params = [p for p in trainable if p.grad is not None]
-        size = len(optimizer.param_groups) * n
-        pipe = self.pipe()
-        device = pipe.device
+        return trainable, slots
+
+    def _local_table(
+        self, trainable: list[Tensor], slots: list[int], size: int, device: torch.device, has_grads: bool
+    ) -> Tensor:
+        """This stage's table of norms (squared and weighted when ``sharded``), zero outside its slots.
+
+        Args:
+            trainable: this stage's trainable parameters, in optimizer order.
+            slots: their slots in the table.
+            size: slots of the table (parameter groups times the unsplit model's parameters).
+            device: where the table lives (the pipeline's device).
+            has_grads: whether any of ``trainable`` has a gradient (else the table stays zero).
+
+        Returns:
+            The float64 table, to be summed over the pipeline (or the job, when ``sharded``).
+        """
         # float64 holds any float32 norm, and k times it, exactly.
         table = torch.zeros(size, dtype=torch.float64, device=device)
-        if params:
+        if has_grads:
             norms = self._norms(trainable, device)
             if self.sharded:
                 norms = norms.square()
@@ -223,18 +260,37 @@ class GlobalNormClipping:
                 if any(share != 1.0 for share in shares):  # parts some processes hold alike (tensor parallelism)
                     norms = norms * self._shares(shares, device)
             table.index_copy_(0, self._device_index(tuple(slots), device), norms)
-        # on an accelerator, runs while the host sums which slots are filled (below)
-        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=None if self.sharded else pipe.group)
-        copies = self._copies(slots, size, pipe)
-        if not params:
-            return
+        return table
+
+    def _total_norm(self, table: Tensor, copies: Any, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """The global norm from the summed table: the filled slots in order, each divided by its copies.
+
+        Args:
+            table: the table summed over the stages (squared norms when ``sharded``).
+            copies: how many stages filled each slot (:meth:`_copies`).
+            device: the table's device.
+            dtype: the gradients' dtype (the norm of the norms is taken in it, as torch does).
+
+        Returns:
+            The total norm, as ``clip_grad_norm_`` of the unsplit model computes it.
+        """
         present, k = self._present(copies, device)
         ordered = table.index_select(0, present)
         if k is not None:
-            ordered = ordered / k
+            ordered = ordered / k  # a tie's copies hold the same norm: their sum over k is exactly it
         if self.sharded:
             ordered = ordered.sqrt()
-        total = torch.linalg.vector_norm(ordered.to(params[0].grad.dtype), 2.0)
+        return torch.linalg.vector_norm(ordered.to(dtype), 2.0)
+
+    @staticmethod
+    def _clip(params: list[Tensor], clip_val: float, total: Tensor) -> None:
+        """Scale the gradients of ``params`` by torch's clip coefficient for the global norm ``total``.
+
+        Args:
+            params: the parameters with a gradient.
+            clip_val: the largest global norm allowed.
+            total: the global norm (:meth:`_total_norm`).
+        """
         if not any(isinstance(p.grad, DTensor) for p in params):
             torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
             return

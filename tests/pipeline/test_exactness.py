@@ -75,7 +75,10 @@ def test_params_partition_balances_parameter_counts(runs):
 
     model = GPT(n_layer=4, n_embd=32, n_head=4, block_size=32)
     counts = [sum(p.numel() for p in layer.parameters()) for layer in model.pipeline_layers()]
-    assert counts == [256 * 32 + 32 * 32, *[12704] * 4, 256 * 32 + 2 * 32]
+    # a block: two layer norms, q / k / v with biases on q and v only (k's adds the same to every score), the
+    # attention's projection, the MLP
+    block = 2 * 64 + 3 * 32 * 32 + 2 * 32 + (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32)
+    assert counts == [256 * 32 + 32 * 32, *[block] * 4, 256 * 32 + 2 * 32] and block == 12672
     expected = partition(counts, 2, method="optimal")
     assert runs["p2-params"].summary["partitions"][0]["layers_per_stage"] == expected == [3, 3]
 

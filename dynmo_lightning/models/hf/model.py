@@ -242,21 +242,34 @@ class HFCausalLM(PipelineModule):
                 would replace their trained MLPs or attentions by other modules), both early exit and Mixture of
                 Depths, or a bad value.
         """
-        unknown = set(options) - DYNAMIC_OPTIONS
-        if unknown:
-            raise ValueError(
-                f"{sorted(unknown)} cannot apply to a Hugging Face model: Mixture of Experts and dynamic sparse "
-                "attention would replace its (pretrained) MLPs or attentions by modules with other weights. Early "
-                "exit, Mixture of Depths, freezing and structured pruning work on its layers."
-            )
-        early_exit = bool(options.get("early_exit", False))
-        mod_every, mod_capacity = int(options.get("mod_every", 0)), float(options.get("mod_capacity", 1.0))
-        if mod_every < 0 or not 0.0 < mod_capacity <= 1.0:
-            raise ValueError(f"mod_every={mod_every} must be >= 0 and mod_capacity={mod_capacity} in (0, 1]")
+        early_exit, mod_every, mod_capacity = _dynamic_options(options)
+        self._check_one_dynamics(early_exit, mod_every)
+        self._add_dynamic_parts(early_exit, mod_every, mod_capacity)
+        self.embed.carry = any(layer.exit_gate is not None or layer.depth_router is not None for layer in self.layers)
+
+    def _check_one_dynamics(self, early_exit: bool, mod_every: int) -> None:
+        """Refuse early exit and Mixture of Depths together, asked for now or already on the layers.
+
+        Args:
+            early_exit: whether exit gates are asked for.
+            mod_every: every how many layers a depth router is asked for (0: none).
+
+        Raises:
+            ValueError: both would act on the decoder layers.
+        """
         has_gates = any(layer.exit_gate is not None for layer in self.layers)
         has_routers = any(layer.depth_router is not None for layer in self.layers)
         if (early_exit or has_gates) and (mod_every or has_routers):
             raise ValueError("early exit and Mixture of Depths cannot both act on the decoder layers of one model")
+
+    def _add_dynamic_parts(self, early_exit: bool, mod_every: int, mod_capacity: float) -> None:
+        """Give the decoder layers that lack one an exit gate (each layer) or a depth router (every ``mod_every``-th).
+
+        Args:
+            early_exit: whether to add exit gates.
+            mod_every: every how many layers to add a depth router (0: none).
+            mod_capacity: the depth routers' capacity.
+        """
         hidden = self.hparams["hf_config"].get("hidden_size") or self.hparams["hf_config"]["n_embd"]
         for i, layer in enumerate(self.layers):
             device = next(layer.parameters()).device  # the meta device until the layer is materialised
@@ -264,7 +277,6 @@ class HFCausalLM(PipelineModule):
                 layer.exit_gate = ExitGate().to(device)
             if mod_every and (i + 1) % mod_every == 0 and layer.depth_router is None:
                 layer.depth_router = _depth_router(self.hparams.seed, i + 1, hidden, mod_capacity).to(device)
-        self.embed.carry = any(layer.exit_gate is not None or layer.depth_router is not None for layer in self.layers)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The weights under the Hugging Face model's names (dynamic parts, which it has no place for, left out)."""
@@ -281,6 +293,32 @@ def _family(config: Any) -> Family:
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         raise ValueError("from_hf takes decoder-only causal LMs (no cross-attention)")
     return FAMILIES[MODEL_TYPES[model_type]]
+
+
+def _dynamic_options(options: Mapping[str, Any]) -> tuple[bool, int, float]:
+    """The ``(early_exit, mod_every, mod_capacity)`` of :meth:`HFCausalLM.configure_dynamics`'s options, checked.
+
+    Args:
+        options: the options the dynamics callbacks passed.
+
+    Returns:
+        Whether to add exit gates, every how many layers to add a depth router (0: none), and its capacity.
+
+    Raises:
+        ValueError: an option Hugging Face layers cannot take, or a value out of range.
+    """
+    unknown = set(options) - DYNAMIC_OPTIONS
+    if unknown:
+        raise ValueError(
+            f"{sorted(unknown)} cannot apply to a Hugging Face model: Mixture of Experts and dynamic sparse "
+            "attention would replace its (pretrained) MLPs or attentions by modules with other weights. Early "
+            "exit, Mixture of Depths, freezing and structured pruning work on its layers."
+        )
+    early_exit = bool(options.get("early_exit", False))
+    mod_every, mod_capacity = int(options.get("mod_every", 0)), float(options.get("mod_capacity", 1.0))
+    if mod_every < 0 or not 0.0 < mod_capacity <= 1.0:
+        raise ValueError(f"mod_every={mod_every} must be >= 0 and mod_capacity={mod_capacity} in (0, 1]")
+    return early_exit, mod_every, mod_capacity
 
 
 def _depth_router(seed: int, index: int, hidden: int, capacity: float) -> DepthRouter:
