@@ -101,8 +101,7 @@ def front_page_table(sim: Mapping[str, Any]) -> list[str]:
             [s / cmp["policies"]["optimal"]["total_time"] for s, cmp in zip(static, runs, strict=True)],
             [s / cmp["oracle"]["total_time"] for s, cmp in zip(static, runs, strict=True)],
         )
-        lo, hi = _span(round(100 * cmp["policies"]["optimal"]["share_of_oracle"]) for cmp in runs)
-        share = f"{lo}{DASH}{hi} %" if lo != hi else f"{lo} %"
+        share = _percent_range(cmp["policies"]["optimal"]["share_of_oracle"] for cmp in runs)
         label = f"{NAMES[dynamic]} ({FRONT_PAGE[dynamic].format(_strength(entry['strength']))})"
         cells = " | ".join(" / ".join(f"{v:.2f}" for v in values) + TIMES for values in columns)
         lines.append(f"| {label} | {cells} | {share} | {entry['val_loss']:.3f} | {_x(SEED.get(dynamic))} |")
@@ -127,12 +126,11 @@ def real_front_page(real: Mapping[str, Any], zbv: Mapping[str, Any] | None = Non
 def _real_sentence(real: Mapping[str, Any]) -> str:
     """The sentence on the first arm: DynMo over uniform and over ``static_time``, and its share of the ideal."""
     cfg = real["config"]
-    rows = {(r["dynamic"], r["policy"]): r for r in real["rows"]}
-    dynmo = [(d, r) for (d, policy), r in rows.items() if policy == "optimal"]
+    dynmo = [(r["dynamic"], r) for r in real["rows"] if r["policy"] == "optimal"]
     arms = ", ".join(f"`{p}`" if p != "optimal" else "DynMo" for p in cfg["policies"])
     parts = [f"{NAMES[d]} {_interval(r, bold=True)}" for d, r in dynmo]
     static = [f"{NAMES[d]} {_interval(r['over_static_time'])}" for d, r in dynmo if r.get("over_static_time")]
-    lo, hi = _span(round(100 * r["share_of_ideal"]) for _, r in dynmo if r.get("share_of_ideal"))
+    share = _percent_range(r["share_of_ideal"] for _, r in dynmo if r.get("share_of_ideal"))
     schedule = cfg.get("schedule", "1f1b").upper()
     text = (
         f"**Real A/B on {cfg['world_size']} CPU ranks** (GPT {cfg['model']['n_layer']} {TIMES} "
@@ -141,18 +139,15 @@ def _real_sentence(real: Mapping[str, Any]) -> str:
     )
     if static:
         text += f"; over `static_time` (what moving layers during training adds), {', '.join(static)}"
-    share = f"{lo}{DASH}{hi}" if lo != hi else f"{lo}"
-    return f"{text}; {share} % of the ideal ratio of the same window."
+    return f"{text}; {share} of the ideal ratio of the same window."
 
 
 def _zbv_sentences(zbv: Mapping[str, Any]) -> list[str]:
     """A sentence per dynamic on the ZBV arm: DynMo over ZBV's uniform V, and over DynMo + 1F1B where it ran."""
-    z = {(r["dynamic"], r["policy"]): r for r in zbv["rows"]}
     same = {(r["dynamic"], r["policy"]): r for r in (zbv.get("same_run") or {}).get("rows", [])}
     lines = []
-    for (dynamic, policy), row in z.items():
-        if policy != "optimal":
-            continue
+    for row in (r for r in zbv["rows"] if r["policy"] == "optimal"):
+        dynamic, policy = row["dynamic"], row["policy"]
         sentence = (
             f"On {zbv['config']['world_size']} CPU ranks under ZBV, {NAMES[dynamic]}: DynMo over the uniform V "
             f"{_interval(row, bold=True)} ({_pct(row['share_of_ideal'])} of the ideal {_x(row['ideal_ratio'])})"
@@ -163,9 +158,11 @@ def _zbv_sentences(zbv: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _span(values: Iterable[int]) -> tuple[int, int]:
-    kept = list(values)
-    return min(kept), max(kept)
+def _percent_range(fractions: Iterable[float]) -> str:
+    """``"lo-hi %"`` (an en dash) of the fractions rounded to whole percent (``"n %"`` when they round alike)."""
+    kept = [round(100 * f) for f in fractions]
+    lo, hi = min(kept), max(kept)
+    return f"{lo}{DASH}{hi} %" if lo != hi else f"{lo} %"
 
 
 def _strength(value: float) -> str:
