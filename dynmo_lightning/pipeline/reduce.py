@@ -318,20 +318,11 @@ class GlobalNormClipping:
 
     def _device_index(self, slots: tuple[int, ...], device: torch.device) -> Tensor:
         """This stage's slots as an index on ``device``, made once per set of slots."""
-        key = (slots, device)
-        if key not in self._local:
-            if any(s != slots for s, _ in self._local):
-                self._local.clear()  # one layout at a time
-            self._local[key] = torch.tensor(slots, dtype=torch.long, device=device)
-        return self._local[key]
+        return _on_device(self._local, slots, torch.long, device)
 
     def _shares(self, shares: tuple[float, ...], device: torch.device) -> Tensor:
         """The parameters' :func:`held_share` on ``device``, made once per layout (no copy from the host per step)."""
-        key = (shares, device)
-        if key not in self._weights:
-            self._weights.clear()
-            self._weights[key] = torch.tensor(shares, dtype=torch.float64, device=device)
-        return self._weights[key]
+        return _on_device(self._weights, shares, torch.float64, device)
 
     def _copies(self, slots: list[int], size: int, pipe: PipelineGroup) -> Any:
         """How many stages fill each slot (a NumPy array): the stages' slots summed over the host group."""
@@ -385,3 +376,14 @@ def gather_costs(
         dist.all_gather_object(gathered, costs, group=group)
         costs = {i: {k: sum(r[i][k] for r in gathered) / n for k in costs[i]} for i in sorted(costs)}
     return costs
+
+
+def _on_device(cache: dict[tuple[tuple[Any, ...], torch.device], Tensor], values: tuple[Any, ...], dtype: torch.dtype,
+               device: torch.device) -> Tensor:  # fmt: skip
+    """``values`` as a tensor on ``device``, copied from the host once per layout (``cache`` holds one layout)."""
+    key = (values, device)
+    if key not in cache:
+        if any(v != values for v, _ in cache):
+            cache.clear()  # one layout at a time
+        cache[key] = torch.tensor(values, dtype=dtype, device=device)
+    return cache[key]
