@@ -60,6 +60,11 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
+def real_stem(schedule: str) -> str:
+    """The name of the real part's results under ``schedule``: ``real`` for 1F1B, else ``real_<schedule>``."""
+    return "real" if schedule == "1f1b" else f"real_{schedule}"
+
+
 def timeline_path(directory: Path, dynamic: str, strength: float | None) -> Path:
     """Where a benchmark directory keeps the timeline of ``dynamic`` at ``strength`` (``None``: no dynamic)."""
     return directory / "timelines" / f"{dynamic}-{strength if strength is not None else 'none'}.json.gz"

@@ -19,7 +19,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from dynmo_lightning.bench import layer_costs, read_json, real, scale, timeline, timeline_path, write_json
+from dynmo_lightning.bench import layer_costs, read_json, real, real_stem, scale, timeline, timeline_path, write_json
 from dynmo_lightning.bench.scale import SEED
 from dynmo_lightning.launch import clean_env, run_ranks
 from dynmo_lightning.sim import save_trace
@@ -196,11 +196,6 @@ def _arm_cases(cfg: DictConfig, out: Path, arm: dict[str, Any], repeat: int) -> 
                 }
             )  # fmt: skip
     return cases
-
-
-def real_stem(schedule: str) -> str:
-    """The name of the real part's results under ``schedule``: ``real`` for 1F1B, else ``real_<schedule>``."""
-    return "real" if schedule == "1f1b" else f"real_{schedule}"
 
 
 def _launch(

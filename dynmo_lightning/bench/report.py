@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from dynmo_lightning import balance
-from dynmo_lightning.bench import NAMES, read_json
+from dynmo_lightning.bench import NAMES, read_json, real_stem
 from dynmo_lightning.bench.drift import drift_section
 from dynmo_lightning.bench.layer_costs import block_gflops
 from dynmo_lightning.bench.scale import SEED
@@ -572,7 +572,8 @@ def _same_run_table(real: Mapping[str, Any]) -> list[str]:
     same = real.get("same_run")
     if not same or not same["rows"]:
         return []
-    other = "1F1B" if same["vs"] == "real" else same["vs"]  # the first arm's file is real.json under 1F1B
+    # the other arm's schedule, from the name of its results (bench.real_stem)
+    other = next((title for name, (title, _) in SCHEDULE_NAMES.items() if real_stem(name) == same["vs"]), same["vs"])
     lines = [
         f"In the same processes, alternated with the `{other}` arm in every repeat: this schedule's tokens/s over "
         f"that one's, paired by repeat (95 % intervals).",
