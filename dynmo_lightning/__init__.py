@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from dynmo_lightning.callbacks import BalancerSettings, DynMoBalancer
 from dynmo_lightning.core.model import PipelineModule
-from dynmo_lightning.pipeline.settings import StrategySettings
+from dynmo_lightning.pipeline.strategy_settings import StrategySettings
 from dynmo_lightning.strategy import DynMoStrategy
 
 if DynMoStrategy.strategy_name not in StrategyRegistry:

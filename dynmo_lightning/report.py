@@ -3,7 +3,7 @@
 * :func:`plot_run` - a ``dynmo-train`` run directory: loss curve, per-stage load and imbalance (from
   ``costs.jsonl``), partition timeline and world size (from ``summary.json``).
 * :func:`main` - ``dynmo-report DIR``: a run directory, or a ``dynmo-bench`` directory, whose ``benchmarks.md`` and
-  plots :func:`dynmo_lightning.bench.report.report_bench` rebuilds from its files.
+  plots :func:`dynmo_lightning.bench.page.report_bench` rebuilds from its files.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from matplotlib.axes import Axes
 
 from dynmo_lightning import balance, plots
-from dynmo_lightning.bench.report import report_bench
+from dynmo_lightning.bench.page import report_bench
 
 #: Files that make a directory a ``dynmo-bench`` output.
 BENCH_FILES = ("simulated.json", "real.json", "layer_costs.json")

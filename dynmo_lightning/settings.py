@@ -1,12 +1,13 @@
 r"""Components configured by one settings dataclass each: keyword arguments in, the dataclass out.
 
 A component (the balancer, the strategy, a dynamic) declares its settings once, as a ``@dataclass(kw_only=True)``
-with a docstring under every field (``balance.settings.BalanceSettings``, ``callbacks.balancer.BalancerSettings``,
-``pipeline.settings.StrategySettings``). Its ``__init__(self, **kwargs)`` :func:`build`\ s the dataclass, so the
-Python API and the Hydra group (whose keys are the same fields, with the same defaults, as ``tests/test_settings.py``
-checks) cannot drift apart; :func:`configured_by` gives that ``__init__`` the fields as its signature, for type
-checkers (a ``ParamSpec``) and at run time (``help()``, IDEs, LightningCLI). One settings object goes in through
-the component's ``from_settings`` (:func:`from_settings`). Standard library only: every room may use it.
+with a docstring under every field (``balance.decision.policy_settings.BalanceSettings``,
+``callbacks.balancer.BalancerSettings``, ``pipeline.strategy_settings.StrategySettings``). Its ``__init__(self,
+**kwargs)`` :func:`build`\ s the dataclass, so the Python API and the Hydra group (whose keys are the same fields, with
+the same defaults, as ``tests/test_settings.py`` checks) cannot drift apart; :func:`configured_by` gives that
+``__init__`` the fields as its signature, for type checkers (a ``ParamSpec``) and at run time (``help()``, IDEs,
+LightningCLI). One settings object goes in through the component's ``from_settings`` (:func:`from_settings`). Standard
+library only: every room may use it.
 """
 
 from __future__ import annotations

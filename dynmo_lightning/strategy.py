@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from typing_extensions import Self, override
 
 from dynmo_lightning import balance, callbacks
-from dynmo_lightning.balance.diffusion import DiffusionStage
+from dynmo_lightning.balance.diffusion.driver import DiffusionStage
 from dynmo_lightning.core.model import split_batch
 from dynmo_lightning.pipeline import checkpoint as ckpt
 from dynmo_lightning.pipeline import groups, launcher, release, sharded
@@ -45,9 +45,9 @@ from dynmo_lightning.pipeline.plugins import WrappedPlugins
 from dynmo_lightning.pipeline.reduce import GlobalNormClipping, replicas_in_sync
 from dynmo_lightning.pipeline.resize import Resized, ResizeInternals, Resizer
 from dynmo_lightning.pipeline.runtime import StagePlan, first_dim
-from dynmo_lightning.pipeline.settings import PLUGINS, StrategyArguments, StrategySettings
 from dynmo_lightning.pipeline.sharding import FSDP_MODES, StageSharding
 from dynmo_lightning.pipeline.stages import LocalStages
+from dynmo_lightning.pipeline.strategy_settings import PLUGINS, StrategyArguments, StrategySettings
 from dynmo_lightning.pipeline.tensor_parallel import TensorParallel
 from dynmo_lightning.pipeline.watchdog import Heartbeats
 from dynmo_lightning.profiling import DeviceClock, release_host_memory
@@ -65,13 +65,12 @@ class DynMoStrategy(WrappedPlugins):
     data is sharded over replicas, gradients averaged over them, balancing decided once and applied in every replica.
     The strategy implements :class:`~dynmo_lightning.protocol.PipelineControl`, the contract callbacks use.
 
-    Every setting is a field of :class:`~dynmo_lightning.pipeline.settings.StrategySettings` (its docstrings say
-    what each does; one name and one default, shared with the Hydra group ``strategy``): give them as keyword
+    Every setting is a field of :class:`~dynmo_lightning.pipeline.strategy_settings.StrategySettings` (its docstrings
+    say what each does; one name and one default, shared with the Hydra group ``strategy``): give them as keyword
     arguments, ``DynMoStrategy(n_microbatches=8, schedule="zbv", stages_per_rank=2)``, or as one settings object,
-    ``DynMoStrategy.from_settings(settings)``.
-    ``accelerator``, ``parallel_devices``, ``cluster_environment`` (torchrun, SLURM, Lightning's own launcher),
-    ``checkpoint_io`` (wrapped to write atomically) and ``precision_plugin`` (wrapped to clip by the norm over all
-    stages) are set by the Trainer.
+    ``DynMoStrategy.from_settings(settings)``. ``accelerator``, ``parallel_devices``, ``cluster_environment`` (torchrun,
+    SLURM, Lightning's own launcher), ``checkpoint_io`` (wrapped to write atomically) and ``precision_plugin`` (wrapped
+    to clip by the norm over all stages) are set by the Trainer.
     """
 
     strategy_name = "dynmo"

@@ -8,7 +8,7 @@ same stage code in one process (real round counts and per-stage compute), priced
 :mod:`dynmo_lightning.sim.planning` at 10 us and 100 us per message, beside the centralised gather-and-plan with
 the planner's measured time: the all-gather as recursive doubling (``log2 P`` latencies, its best) and as a ring
 (``P - 1`` latencies, what gloo and NCCL run); and a centralised planner of the sweep's own cut (gather, then
-:func:`~dynmo_lightning.balance.sweep.sweep_split`).
+:func:`~dynmo_lightning.balance.diffusion.sweep_mode.sweep_split`).
 
 Run:
     python examples/bench_diffusion.py --out docs/bench/bench_diffusion.json
@@ -40,7 +40,7 @@ def layer_costs(n_layers: int, seed: int = 0) -> list[float]:
 
 def balancer_layers(costs: list[float], split: list[int]) -> list[list[tuple[float, ...]]]:
     """Each stage's layers as the balancer builds them: ``(compute, memory, fwd, bwd, bytes)`` (a 432-byte card)."""
-    from dynmo_lightning.balance.diffusion import stage_layers
+    from dynmo_lightning.balance.diffusion.driver import stage_layers
 
     fwd, bwd, moving = [c / 3 for c in costs], [2 * c / 3 for c in costs], [1e6] * len(costs)
     return stage_layers(costs, split, None, (fwd, bwd, moving))
@@ -56,7 +56,7 @@ def worker(out: Path, n_layers: int, repeats: int) -> None:
     import torch.distributed as dist
 
     from dynmo_lightning.balance import bottleneck, partition
-    from dynmo_lightning.balance.diffusion import MODES, start_stages
+    from dynmo_lightning.balance.diffusion.driver import MODES, start_stages
     from dynmo_lightning.pipeline.layout import PipelineGroup
     from dynmo_lightning.pipeline.neighbours import run_stage
 
@@ -114,7 +114,7 @@ def run_in_memory(costs: list[float], start: list[int], mode: str) -> tuple[list
     The cyclic garbage collector is off while it runs: one process holding every stage's tables would make it
     sweep far more objects than any real stage's process ever holds.
     """
-    from dynmo_lightning.balance.diffusion import drive, start_stages
+    from dynmo_lightning.balance.diffusion.driver import drive, start_stages
 
     gc.collect()
     gc.disable()
@@ -141,7 +141,7 @@ def timed(fn, *args) -> float:
 def simulated(n_stages: int, n_layers: int) -> dict:
     """Round counts and per-stage compute from the in-memory protocol (both modes); times from the latency model."""
     from dynmo_lightning.balance import bottleneck, partition
-    from dynmo_lightning.balance.sweep import sweep_split
+    from dynmo_lightning.balance.diffusion.sweep_mode import sweep_split
     from dynmo_lightning.sim import gather_plan_time, neighbour_plan_time
 
     costs, start = layer_costs(n_layers), uniform(n_layers, n_stages)

@@ -131,7 +131,7 @@ def test_strategy_is_the_lightning_face_only():
 
 def test_no_planning_room_over_600_lines():
     # diffusion.py held both of its modes' phases in 770 lines; each mode now has its own room.
-    long = {p.name: n for p in (PACKAGE / "balance").glob("*.py") if (n := p.read_text().count("\n")) > 600}
+    long = {p.name: n for p in (PACKAGE / "balance").rglob("*.py") if (n := p.read_text().count("\n")) > 600}
     assert not long, f"balance/ modules over 600 lines (split them into rooms): {long}"
 
 
@@ -329,3 +329,28 @@ def test_resize_reads_only_its_host_protocol_and_never_writes_into_the_strategy(
 def test_the_host_use_check_sees_reads_and_writes():
     reads, writes = _host_uses(ast.parse("host.a = host.b + self._host.c\nhost.d.e = 1"))
     assert (reads, writes) == ({"b", "c", "d"}, ["a"])
+
+#: balance/'s parts, lowest first: each sub-package imports only those before it (and itself).
+BALANCE_PARTS = ("split", "diffusion", "partitioning", "steptime", "decision")
+
+
+def test_balance_is_its_four_parts_over_what_a_split_is():
+    # every module of balance/ lives in a part (the package __init__ only gathers them for users)
+    balance = PACKAGE / "balance"
+    loose = sorted(p.name for p in balance.glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"balance/ modules outside its sub-packages {BALANCE_PARTS}: {loose}"
+    parts = sorted(p.name for p in balance.iterdir() if (p / "__init__.py").exists())
+    assert parts == sorted(BALANCE_PARTS), parts
+
+
+@pytest.mark.parametrize("part", BALANCE_PARTS)
+def test_each_balance_part_imports_only_the_parts_below_it(part):
+    allowed = BALANCE_PARTS[: BALANCE_PARTS.index(part) + 1]
+    room = f"dynmo_lightning.balance.{part}"
+    for name, targets in _imports().items():
+        if not _within(name, room):
+            continue
+        for target in targets:
+            if _within(target, "dynmo_lightning.balance"):
+                assert target != "dynmo_lightning.balance", f"{name} imports the balance package: import the room"
+                assert target.split(".")[2] in allowed, f"{name} imports {target}: {part} may import {allowed}"

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from dynmo_lightning.bench import NAMES
-from dynmo_lightning.bench.report import front_page_table, real_front_page
+from dynmo_lightning.bench.page import front_page_table, real_front_page
 from dynmo_lightning.bench.scale import SEED
 
 ROOT = Path(__file__).resolve().parents[1]

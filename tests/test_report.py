@@ -9,7 +9,7 @@ import pytest
 from support.bench_data import write_bench_dir
 
 from dynmo_lightning import plots
-from dynmo_lightning.bench.report import report_bench
+from dynmo_lightning.bench.page import report_bench
 from dynmo_lightning.report import main, plot_run
 
 RUN_PLOTS = {"loss.png", "stage_load.png", "partitions.png", "world_size.png"}

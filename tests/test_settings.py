@@ -15,7 +15,7 @@ import yaml
 
 from dynmo_lightning import DynMoBalancer
 from dynmo_lightning.balance import BalancePolicy
-from dynmo_lightning.balance.settings import BalanceSettings
+from dynmo_lightning.balance.decision.policy_settings import BalanceSettings
 from dynmo_lightning.callbacks.balancer import BalancerSettings
 from dynmo_lightning.settings import RENAMED
 
@@ -136,7 +136,7 @@ def test_messages_name_only_keys_that_exist():
 
 def test_the_strategy_takes_its_settings_as_keywords_or_one_object():
     from dynmo_lightning import DynMoStrategy
-    from dynmo_lightning.pipeline.settings import StrategySettings
+    from dynmo_lightning.pipeline.strategy_settings import StrategySettings
 
     settings = StrategySettings(n_microbatches=8, schedule="zbv", stages_per_rank=2, partition=(2, 2, 1, 1))
     strategy = DynMoStrategy.from_settings(settings)

@@ -14,8 +14,8 @@ already in the run directory, e.g. ``hydra.run.dir=docs/bench``):
    format) and replayed at 8, 16 and 32 stages with every policy and the oracle, with the link and migration
    bandwidth measured here, a migration-bandwidth sweep for clusters and the strength sweeps (:mod:`.scale`):
    ``simulated.json``.
-5. ``report`` - ``benchmarks.md`` and the plots, rebuilt from those files alone (``dynmo-report DIR`` does the same),
-   with the README's headline table and each dynamic's cost drift (:mod:`.drift`).
+5. ``report`` - ``benchmarks.md`` and the plots (:mod:`.page`), rebuilt from those files alone (``dynmo-report DIR``
+   does the same), with the README's headline table and each dynamic's cost drift (:mod:`.drift`).
 
 The console script and its Hydra configuration live in :mod:`.main` (``dynmo-bench``, ``python -m
 dynmo_lightning.bench``): the package and its parts import without Hydra, as on a GPU machine that has only torch,

@@ -403,7 +403,7 @@ def _bench_main(cfg: DictConfig) -> None:
         if part in cfg.parts:
             steps[part](cfg, out)
     if "report" in cfg.parts:
-        from dynmo_lightning.bench.report import report_bench
+        from dynmo_lightning.bench.page import report_bench
 
         written = report_bench(out)
         print(f"[dynmo-bench] wrote {out / 'benchmarks.md'} and {len(written)} plots", flush=True)

@@ -1,13 +1,13 @@
 """Every stage's memory at real sizes without a GPU: the schedule's own task order run on fake tensors, tracked.
 
-The truth the memory model (:mod:`dynmo_lightning.balance.memory`) is checked against. For one pipeline rank at a
-time, its stages are built at full size under ``FakeTensorMode`` (fake CPU tensors: nothing is allocated; byte
+The truth the memory model (:mod:`dynmo_lightning.balance.steptime.memory_model`) is checked against. For one pipeline
+rank at a time, its stages are built at full size under ``FakeTensorMode`` (fake CPU tensors: nothing is allocated; byte
 counts do not depend on the device), with the receive buffers torch's ``PipelineStage`` keeps (one input and one
-output-gradient buffer per micro-batch) and AdamW with its state; then one training step runs the rank's tasks in
-the order of the schedule (:func:`~dynmo_lightning.balance.makespan.rank_orders`) with torch's own backward
-functions (``stage_backward``, and ``stage_backward_input`` / ``stage_backward_weight`` for the zero-bubble
-schedules' split backward), and the optimizer step; torch's ``MemTracker`` reports the peak. Layers run through the
-project's :class:`~dynmo_lightning.pipeline.layers.StageModule`, so activation checkpointing is the runtime's.
+output-gradient buffer per micro-batch) and AdamW with its state; then one training step runs the rank's tasks in the
+order of the schedule (:func:`~dynmo_lightning.balance.steptime.makespan.rank_orders`) with torch's own backward
+functions (``stage_backward``, and ``stage_backward_input`` / ``stage_backward_weight`` for the zero-bubble schedules'
+split backward), and the optimizer step; torch's ``MemTracker`` reports the peak. Layers run through the project's
+:class:`~dynmo_lightning.pipeline.layers.StageModule`, so activation checkpointing is the runtime's.
 
 The same layers measured one at a time (:func:`layer_bytes`, with the project's profiler) give the model its inputs:
 parameters, gradients, optimizer state, what a layer keeps for backward per micro-batch and its input's size.
@@ -26,9 +26,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 
-from dynmo_lightning.balance.makespan import rank_orders
-from dynmo_lightning.balance.memory import LayerBytes, MemoryModel, additive
-from dynmo_lightning.balance.placement import stage_ranks
+from dynmo_lightning.balance.split.placement import stage_ranks
+from dynmo_lightning.balance.steptime.makespan import rank_orders
+from dynmo_lightning.balance.steptime.memory_model import LayerBytes, MemoryModel, additive
 from dynmo_lightning.core.layer_calls import as_tuple
 from dynmo_lightning.pipeline.layers import StageModule
 from dynmo_lightning.profiling import LayerCost, LayerProfiler, static_memory
@@ -229,7 +229,7 @@ def tracked_peaks(
     Args:
         stack: the model.
         layers_per_stage: the split.
-        schedule: a schedule of :data:`~dynmo_lightning.balance.makespan.SCHEDULES`.
+        schedule: a schedule of :data:`~dynmo_lightning.balance.steptime.makespan.SCHEDULES`.
         n_microbatches: micro-batches per step.
         stages_per_rank: stages per rank (2 for the V schedules).
         recompute: every layer under activation checkpointing.

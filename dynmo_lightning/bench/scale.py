@@ -5,8 +5,8 @@ Every policy replays the trace through :func:`~dynmo_lightning.sim.simulate_run`
 sent between stages at a point-to-point bandwidth and latency. The **oracle** is the most any balancer could get: at
 every step the optimal split of that step's costs, moved to for free. Reported per policy: total time, speed-up over
 the uniform split (Megatron-LM's), the share of the oracle's speed-up reached, migrations and bytes moved. The
-oracle's split is the makespan-optimal one (:func:`~dynmo_lightning.balance.planner.makespan_split`), the policy's
-too: both plan for the schedule's own task order.
+oracle's split is the makespan-optimal one (:func:`~dynmo_lightning.balance.steptime.planner.makespan_split`), the
+policy's too: both plan for the schedule's own task order.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from dynmo_lightning.balance.planner import StepModel, makespan_split
+from dynmo_lightning.balance.steptime.planner import StepModel, makespan_split
 from dynmo_lightning.sim import simulate_run
 
 #: End-to-end speed-ups the DynMo paper reports over static Megatron-LM / DeepSpeed splits.

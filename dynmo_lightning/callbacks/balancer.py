@@ -25,9 +25,9 @@ from typing_extensions import Self, override
 
 from dynmo_lightning import balance
 from dynmo_lightning.balance import CostTracker
-from dynmo_lightning.balance.placement import rank_stages
-from dynmo_lightning.balance.policy import GROW, MIGRATE, REPACK, BalancePolicy, Decision, PipelineShape
-from dynmo_lightning.balance.settings import METHODS, BalanceSettings
+from dynmo_lightning.balance.decision.policy import GROW, MIGRATE, REPACK, BalancePolicy, Decision, PipelineShape
+from dynmo_lightning.balance.decision.policy_settings import METHODS, BalanceSettings
+from dynmo_lightning.balance.split.placement import rank_stages
 from dynmo_lightning.core.control import JobShape, PipelineControl, pipeline_control
 from dynmo_lightning.pipeline.groups import ON_RELEASE
 from dynmo_lightning.pipeline.release import RELEASE_TO, ReleaseHandler, make_release_handler
@@ -41,8 +41,8 @@ __all__ = ["METHODS", "ON_RELEASE", "RELEASE_TO", "BalancerSettings", "DynMoBala
 class BalancerSettings(BalanceSettings):
     """:class:`DynMoBalancer`'s settings (Hydra: the keys of the ``balancer`` group).
 
-    The policy's (:class:`~dynmo_lightning.balance.settings.BalanceSettings`) and what a process released by a
-    consolidation does.
+    The policy's (:class:`~dynmo_lightning.balance.decision.policy_settings.BalanceSettings`) and what a process
+    released by a consolidation does.
     """
 
     on_release: str = "exit"

@@ -174,7 +174,7 @@ class PipelineControl(Protocol):
         """Run a neighbour protocol over the pipeline (collective over it, point-to-point only).
 
         ``stage_of(pipeline_rank)`` builds this process's stage machine
-        (:class:`~dynmo_lightning.balance.diffusion.DiffusionStage`); returns the run's
+        (:class:`~dynmo_lightning.balance.diffusion.driver.DiffusionStage`); returns the run's
         :class:`~dynmo_lightning.pipeline.neighbours.NeighbourStats`.
         """
         ...

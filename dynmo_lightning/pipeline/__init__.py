@@ -17,12 +17,12 @@
 * ``resize`` - the strategy's shrink and grow (it reads ``ResizeHost``, returns ``Resized``, never writes back).
 * ``runtime`` - stages and schedules of ``torch.distributed.pipelining`` from a partition (:class:`StagePlan`).
 * ``safe_load`` - reading checkpoint files without running code from them.
-* ``settings`` - :class:`StrategySettings`: the strategy's settings, one name and one default each (Hydra's too).
 * ``sharded`` - sharded checkpoints: each stage writes its layers (``torch.distributed.checkpoint``), any width reads.
 * ``sharding`` - data parallelism inside a stage: DDP, or FSDP2 / replicate units; sharded layers' migration.
 * ``tensor_parallel`` - layers split over the processes of their stage: the model's plan or the built-in ones.
 * ``split`` - the first partition; dropping other stages' layers; materialising this stage's from per-layer seeds.
 * ``stages`` - :class:`~dynmo_lightning.pipeline.stages.LocalStages`: split model, ties and runtime of one process.
+* ``strategy_settings`` - :class:`StrategySettings`: the strategy's settings, one name and one default each.
 * ``ties`` - parameters shared by layers on different stages, kept exact on any partition.
 * ``transport`` - host data over the CPU control group, tensors by batched point-to-point on the device.
 * ``watchdog`` - heartbeats, and failure messages that name the lost rank and the phase.

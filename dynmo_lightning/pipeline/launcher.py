@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from dynmo_lightning.balance.placement import V_SCHEDULES
+from dynmo_lightning.balance.split.placement import V_SCHEDULES
 from dynmo_lightning.core.control import JobShape, PreLaunchCheck
 from dynmo_lightning.core.model import PipelineModule, ProtocolError, check_protocol
 from dynmo_lightning.pipeline.evaluation import EVAL_HOOK

@@ -1,6 +1,6 @@
 """Diffusion balancing at runtime: one protocol stage per process, cards sent point-to-point to pipeline neighbours.
 
-The protocol itself is pure and lives in :mod:`dynmo_lightning.balance.diffusion` (:class:`DiffusionStage`); this
+The protocol itself is pure and lives in :mod:`dynmo_lightning.balance.diffusion.driver` (:class:`DiffusionStage`); this
 room only carries its cards. Every round, each process sends its stage's card (one small float64 tensor) to the
 previous and the next process of its pipeline and receives theirs (``dist.batch_isend_irecv`` on the pipeline's CPU
 control group: cards are host data, and thousands of rounds must not each copy to a GPU and read back), so no
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dynmo_lightning.balance.diffusion import Card, DiffusionStage, StageOutcome
+from dynmo_lightning.balance.diffusion.driver import Card, DiffusionStage, StageOutcome
 from dynmo_lightning.pipeline.layout import PipelineGroup, group_device
 
 

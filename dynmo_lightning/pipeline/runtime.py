@@ -44,7 +44,7 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
 )
 
-from dynmo_lightning.balance.placement import V_SCHEDULES, stage_ranks
+from dynmo_lightning.balance.split.placement import V_SCHEDULES, stage_ranks
 from dynmo_lightning.core.context import probing
 from dynmo_lightning.core.layer_calls import as_tuple
 from dynmo_lightning.pipeline import transport
@@ -81,9 +81,9 @@ MULTI_STAGE = ("interleaved_1f1b", *SPLIT_BACKWARD)
 class StagePlan:
     """Contiguous layers per (virtual) stage and the stage-to-rank mapping of the schedule.
 
-    The placement is :func:`~dynmo_lightning.balance.placement.stage_ranks` of ``schedule``: looped schedules run stage
-    ``s`` on rank ``s % n_ranks`` (one stage per rank, or ``k`` interleaved ones with ``k * n_ranks`` stages), the V
-    schedules (``"zbv"``, ``"dualpipev"``) stages ``s`` and ``2 n_ranks - 1 - s`` on rank ``s``.
+    The placement is :func:`~dynmo_lightning.balance.split.placement.stage_ranks` of ``schedule``: looped schedules run
+    stage ``s`` on rank ``s % n_ranks`` (one stage per rank, or ``k`` interleaved ones with ``k * n_ranks`` stages), the
+    V schedules (``"zbv"``, ``"dualpipev"``) stages ``s`` and ``2 n_ranks - 1 - s`` on rank ``s``.
     """
 
     layers_per_stage: tuple[int, ...]

@@ -3,13 +3,13 @@
 Pure Python and NumPy: no torch, no Lightning. It answers questions the real runtime cannot afford on a 2-core
 machine (more than a few stages, hundreds of steps, policy A/B at scale) and cross-checks the analytic model.
 
-* :func:`simulate` - one training step for every schedule of :data:`dynmo_lightning.balance.makespan.SCHEDULES`
+* :func:`simulate` - one training step for every schedule of :data:`dynmo_lightning.balance.steptime.makespan.SCHEDULES`
   (torch 2.13's task orders: GPipe, 1F1B, interleaved 1F1B and zero-bubble, ZBV, DualPipeV), through the event
-  engine of :mod:`dynmo_lightning.balance.makespan` - the same code every balancing decision uses. Each rank runs
-  its stages' tasks in its schedule's order, one at a time; a forward needs the previous stage's forward of that
-  micro-batch plus ``p2p``, a backward the next stage's backward plus ``p2p`` (free between stages on one rank).
-  Stage times may differ per stage and, as ``[P][M]`` arrays, per micro-batch. :class:`SimResult` has the
-  makespan, busy times, bubble fraction and the full :class:`Task` timeline.
+  engine of :mod:`dynmo_lightning.balance.steptime.makespan` - the same code every balancing decision uses. Each rank
+  runs its stages' tasks in its schedule's order, one at a time; a forward needs the previous stage's forward of that
+  micro-batch plus ``p2p``, a backward the next stage's backward plus ``p2p`` (free between stages on one rank). Stage
+  times may differ per stage and, as ``[P][M]`` arrays, per micro-batch. :class:`SimResult` has the makespan, busy
+  times, bubble fraction and the full :class:`Task` timeline.
 * :func:`simulate_layers` - per-layer costs plus a partition; stage sums come from :func:`balance.stage_times`.
 * :func:`simulate_run` - replays a cost trace (:func:`load_trace` reads the profiler's ``costs.jsonl``) under a
   policy of :data:`POLICIES`, migrating and consolidating as the balancer would; :class:`RunResult`.

@@ -1,14 +1,14 @@
 """Replay a cost trace under a balancing policy: step times, migrations, consolidation and rank-seconds.
 
 Every step of the trace runs through :func:`~dynmo_lightning.sim.simulator.simulate_layers` under the partition in
-force. The dynamic policies replay the balancer's own decision code: a :class:`~dynmo_lightning.balance.policy.
+force. The dynamic policies replay the balancer's own decision code: a :class:`~dynmo_lightning.balance.decision.policy.
 BalancePolicy` (the object :class:`~dynmo_lightning.callbacks.DynMoBalancer` drives) sees the steps it would have
-profiled (:meth:`~dynmo_lightning.balance.policy.BalancePolicy.wants_profile`; every step by default), and at every
-step where a check is due (:meth:`~dynmo_lightning.balance.policy.BalancePolicy.due`, before step ``k`` once ``k``
-steps are done) it decides from the costs of the steps before ``k`` (never the future) whether to keep the split,
-migrate, or repack. A migration costs the bytes of the layers that change owner (``param_bytes`` plus
-``optim_bytes`` when the trace has them) over ``bandwidth``, plus ``migration_overhead``; every rank of the pipeline
-is charged for it.
+profiled (:meth:`~dynmo_lightning.balance.decision.policy.BalancePolicy.wants_profile`; every step by default), and at
+every step where a check is due (:meth:`~dynmo_lightning.balance.decision.policy.BalancePolicy.due`, before step ``k``
+once ``k`` steps are done) it decides from the costs of the steps before ``k`` (never the future) whether to keep the
+split, migrate, or repack. A migration costs the bytes of the layers that change owner (``param_bytes`` plus
+``optim_bytes`` when the trace has them) over ``bandwidth``, plus ``migration_overhead``; every rank of the pipeline is
+charged for it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from dynmo_lightning import balance
-from dynmo_lightning.balance.policy import GROW, MIGRATE, REPACK, BalancePolicy, PipelineShape
+from dynmo_lightning.balance.decision.policy import GROW, MIGRATE, REPACK, BalancePolicy, PipelineShape
 from dynmo_lightning.sim.simulator import simulate_layers
 from dynmo_lightning.sim.traces import check_trace
 
@@ -105,7 +105,7 @@ def simulate_run(
         policy: one of :data:`POLICIES`.
         n_stages: pipeline stages at the start (``stages_per_rank`` of them on each rank).
         n_microbatches: micro-batches per step.
-        schedule: a schedule of :data:`~dynmo_lightning.balance.makespan.SCHEDULES` (its task order times every
+        schedule: a schedule of :data:`~dynmo_lightning.balance.steptime.makespan.SCHEDULES` (its task order times every
             step and every decision).
         p2p: one-hop transfer time, in the trace's time unit.
         every_n_steps: steps between checks of the dynamic policies.
@@ -117,8 +117,8 @@ def simulate_run(
         profile_every_n_steps: the balancer's profiling interval (which trace steps the policy sees).
         warmup_steps: the balancer's warm-up (no profiles, no checks before it).
         stages_per_rank: stages each rank runs (interleaved and V schedules; placement by
-            :func:`~dynmo_lightning.balance.placement.stage_ranks`); rank-seconds count ranks, not stages.
-        **settings: further settings of :class:`~dynmo_lightning.balance.policy.BalancePolicy` (``min_gain``,
+            :func:`~dynmo_lightning.balance.split.placement.stage_ranks`); rank-seconds count ranks, not stages.
+        **settings: further settings of :class:`~dynmo_lightning.balance.decision.policy.BalancePolicy` (``min_gain``,
             ``smoothing``, ``window``, ``migration_overhead``, ``repack_tolerance``, ``min_stages``, ...).
 
     Returns:

@@ -1,6 +1,6 @@
 """Discrete-event execution of one pipeline step: every forward and backward task, on every rank, in order.
 
-The event engine and the task orders are :mod:`dynmo_lightning.balance.makespan`'s (the one implementation the
+The event engine and the task orders are :mod:`dynmo_lightning.balance.steptime.makespan`'s (the one implementation the
 policy's decisions and this simulator share): each rank runs its stages' tasks one at a time in the fixed order its
 schedule gives (it waits when the next task is not ready; it never reorders). A task starts at the latest of: its
 rank finishing the previous task, and its dependency finishing plus ``p2p`` (0 between stages on one rank).
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dynmo_lightning.balance import stage_times
-from dynmo_lightning.balance.makespan import SINGLE, microbatches, per_microbatch, rank_orders, timeline
+from dynmo_lightning.balance.steptime.makespan import SINGLE, microbatches, per_microbatch, rank_orders, timeline
 
 
 class Task(NamedTuple):
@@ -89,7 +89,7 @@ def schedule_order(n_stages: int, n_microbatches: int, schedule: str) -> list[li
         schedule: ``"gpipe"`` (all forwards, then all backwards, micro-batches in order) or ``"1f1b"`` (as
             ``torch.distributed.pipelining.Schedule1F1B``: stage ``s`` runs ``min(M, P - s)`` warm-up forwards,
             then alternates one backward and one forward, then the remaining backwards). Every schedule's per-rank
-            order is :func:`dynmo_lightning.balance.makespan.rank_orders`.
+            order is :func:`dynmo_lightning.balance.steptime.makespan.rank_orders`.
 
     Returns:
         Per stage, a list of ``(kind, microbatch)`` with kind ``"F"`` or ``"B"``.
@@ -123,7 +123,7 @@ def simulate(
             differ (e.g. token routing).
         stage_bwd: full backward times, shaped like ``stage_fwd``.
         n_microbatches: micro-batches per step, ``M >= 1``.
-        schedule: one of :data:`dynmo_lightning.balance.makespan.SCHEDULES` (``"gpipe"``, ``"1f1b"``, see
+        schedule: one of :data:`dynmo_lightning.balance.steptime.makespan.SCHEDULES` (``"gpipe"``, ``"1f1b"``, see
             :func:`schedule_order`; ``"interleaved_1f1b"``, ``"interleaved_zb"``, ``"zbv"``, ``"dualpipev"``).
         p2p: time to send one activation or gradient one hop.
         stage_wgt: the weight-gradient part of ``stage_bwd`` (zero-bubble ``W`` tasks); ``None``: 0.

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from dynmo_lightning.balance._validation import as_values
+from dynmo_lightning.balance.split.checks import as_values
 
 Trace = list[dict[str, Any]]
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from support.brute import started
 
 from dynmo_lightning.balance import InfeasibleMemoryError, bottleneck, diffuse, partition
-from dynmo_lightning.balance.diffusion import (
+from dynmo_lightning.balance.diffusion.driver import (
     Card,
     card_width,
     diffusion_rounds,
@@ -23,7 +23,7 @@ from dynmo_lightning.balance.diffusion import (
     stage_layers,
     start_stages,
 )
-from dynmo_lightning.balance.sweep import sweep_split
+from dynmo_lightning.balance.diffusion.sweep_mode import sweep_split
 
 PROPERTY = settings(max_examples=200, deadline=None)
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from support.brute import brute_force, started
 
 from dynmo_lightning.balance import BalancePolicy, bottleneck, diffuse, partition
-from dynmo_lightning.balance.diffusion import Card, DiffusionStage, drive, stage_layers, start_stages
-from dynmo_lightning.balance.sweep import SLOTS, final_cuts, flood_rounds, sweep_rounds, sweep_split
+from dynmo_lightning.balance.diffusion.driver import Card, DiffusionStage, drive, stage_layers, start_stages
+from dynmo_lightning.balance.diffusion.sweep_mode import SLOTS, final_cuts, flood_rounds, sweep_rounds, sweep_split
 
 PROPERTY = settings(max_examples=300, deadline=None)
 

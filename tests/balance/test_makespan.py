@@ -8,8 +8,8 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from dynmo_lightning.balance import stage_times, step_time
-from dynmo_lightning.balance.makespan import SCHEDULES, lower_bound, makespan, rank_orders, timeline
-from dynmo_lightning.balance.placement import stage_ranks
+from dynmo_lightning.balance.split.placement import stage_ranks
+from dynmo_lightning.balance.steptime.makespan import SCHEDULES, lower_bound, makespan, rank_orders, timeline
 
 _CLASSES = {
     "gpipe": torch_schedules.ScheduleGPipe,

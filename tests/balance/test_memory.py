@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from support.brute import compositions
 
 from dynmo_lightning.balance import BalancePolicy
-from dynmo_lightning.balance.makespan import rank_orders
-from dynmo_lightning.balance.memory import LayerBytes, MemoryCheck, MemoryModel, additive
-from dynmo_lightning.balance.planner import StepModel, even_memory, makespan_split
-from dynmo_lightning.balance.policy import KEEP, MIGRATE, PipelineShape
+from dynmo_lightning.balance.decision.policy import KEEP, MIGRATE, PipelineShape
+from dynmo_lightning.balance.steptime.makespan import rank_orders
+from dynmo_lightning.balance.steptime.memory_model import LayerBytes, MemoryCheck, MemoryModel, additive
+from dynmo_lightning.balance.steptime.planner import StepModel, even_memory, makespan_split
 
 MiB = 2**20
 

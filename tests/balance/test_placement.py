@@ -2,7 +2,7 @@
 
 import pytest
 
-from dynmo_lightning.balance.placement import rank_stages, stage_ranks
+from dynmo_lightning.balance.split.placement import rank_stages, stage_ranks
 
 
 def test_looped_schedules_place_stage_s_on_rank_s_mod_r():

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.brute import blocks, compositions
+from support.brute import block_sums, compositions
 
-from dynmo_lightning.balance import BalancePolicy, PipelineShape, partition, planner
-from dynmo_lightning.balance.planner import TOLERANCE, StepModel, makespan_split
-from dynmo_lightning.balance.rank_split import rank_split
+from dynmo_lightning.balance import BalancePolicy, PipelineShape, partition
+from dynmo_lightning.balance.steptime import planner
+from dynmo_lightning.balance.steptime.planner import TOLERANCE, StepModel, makespan_split
+from dynmo_lightning.balance.steptime.rank_split import rank_split
 from dynmo_lightning.sim import load_trace
 
 TRACES = Path(__file__).resolve().parents[2] / "docs" / "bench" / "traces"
@@ -46,7 +47,7 @@ def test_makespan_split_equals_brute_force(problem, capacity):
     feasible = [
         s
         for s in compositions(len(fwd), n_stages)
-        if memory is None or all(sum(b) <= capacity for b in blocks(memory, s))
+        if memory is None or all(b <= capacity for b in block_sums(memory, s))
     ]
     found = makespan_split(model, n_stages, memory=memory, capacity=capacity if memory is not None else None)
     if not feasible:

@@ -9,7 +9,7 @@ import pytest
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.balance import BalancePolicy, PipelineShape, bytes_moved, imbalance, layer_owners
-from dynmo_lightning.balance.diffusion import drive
+from dynmo_lightning.balance.diffusion.driver import drive
 from dynmo_lightning.pipeline.migration import MigrationStats
 from dynmo_lightning.pipeline.neighbours import NeighbourStats
 from dynmo_lightning.protocol import PipelineControl

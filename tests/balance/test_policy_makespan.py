@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from dynmo_lightning.balance import partition, should_repartition, stage_times, step_time
-from dynmo_lightning.balance.cost_model import repartition_pays
-from dynmo_lightning.balance.diffusion import drive
-from dynmo_lightning.balance.makespan import makespan
-from dynmo_lightning.balance.planner import StepModel
-from dynmo_lightning.balance.policy import MIGRATE, REPACK, BalancePolicy, PipelineShape
+from dynmo_lightning.balance.decision.policy import MIGRATE, REPACK, BalancePolicy, PipelineShape
+from dynmo_lightning.balance.diffusion.driver import drive
+from dynmo_lightning.balance.steptime.closed_form import repartition_pays
+from dynmo_lightning.balance.steptime.makespan import makespan
+from dynmo_lightning.balance.steptime.planner import StepModel
 from dynmo_lightning.sim import load_trace, simulate_layers, simulate_run
 
 TRACES = Path(__file__).resolve().parents[2] / "docs" / "bench" / "traces"

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynmo_lightning.balance import plan_repack
-from dynmo_lightning.balance.repack import _keep_ranks_on_nodes
+from dynmo_lightning.balance.decision.repack import _keep_ranks_on_nodes
 
 
 def _brute_force(current, proposed, layer_bytes, nodes):

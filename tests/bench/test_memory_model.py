@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dynmo_lightning.balance.memory import MemoryCheck, MemoryModel, additive
-from dynmo_lightning.balance.planner import StepModel, makespan_split
+from dynmo_lightning.balance.steptime.memory_model import MemoryCheck, MemoryModel, additive
+from dynmo_lightning.balance.steptime.planner import StepModel, makespan_split
 from dynmo_lightning.bench.memory import MODELS, SCHEDULE_CASES, compare, gpt_stack, layer_bytes
 
 TABLE = Path(__file__).resolve().parents[2] / "docs" / "bench" / "memory_model.json"

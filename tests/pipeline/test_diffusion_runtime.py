@@ -13,8 +13,8 @@ from support.brute import brute_force
 from support.helpers import DP2, assert_close_losses, assert_close_params, launch
 
 from dynmo_lightning.balance import bottleneck, partition
-from dynmo_lightning.balance.diffusion import round_bound
-from dynmo_lightning.balance.sweep import sweep_rounds, sweep_split
+from dynmo_lightning.balance.diffusion.driver import round_bound
+from dynmo_lightning.balance.diffusion.sweep_mode import sweep_rounds, sweep_split
 
 # Blocks with MLP hidden sizes 16x vs 1x the model width: the uniform split [2, 2, 2, 2] is unbalanced.
 UNEVEN = ["model.n_layer=6", "model.n_embd=32", "model.mlp_ratio=[16,16,16,1,1,1]", "trainer.max_steps=8"]

@@ -20,6 +20,16 @@ def blocks(values, sizes):
         start += size
 
 
+def block_sums(values, sizes):
+    """Each block's sum as the planners compute it: a difference of float64 running sums (``balance.split.loads``).
+
+    Summed directly, a block can land an ulp on the other side of a capacity it equals (hypothesis found one).
+    """
+    prefix = [0.0, *itertools.accumulate(float(v) for v in values)]
+    ends = list(itertools.accumulate(sizes))
+    return [prefix[end] - prefix[end - size] for end, size in zip(ends, sizes, strict=True)]
+
+
 def brute_force(costs, n_stages, memory=None, capacity=None):
     """(optimal bottleneck, all optimal splits) over feasible splits, or (None, []) if none is feasible."""
     caps = capacity if isinstance(capacity, list) else [capacity] * n_stages

@@ -1,8 +1,9 @@
 """The messages of diffusion balancing: the card neighbours exchange every round and the outcome all stages learn.
 
-Both modes of the protocol (:mod:`~dynmo_lightning.balance.exact`, :mod:`~dynmo_lightning.balance.sweep`) speak
-with the same :class:`Card`, fixed in size for a run so that it travels as one float64 tensor, and end on the same
-:class:`StageOutcome` table, which every stage holds and the runtime checks with :func:`require_outcome_fits`.
+Both modes of the protocol (:mod:`~dynmo_lightning.balance.diffusion.exact_mode`,
+:mod:`~dynmo_lightning.balance.diffusion.sweep_mode`) speak with the same :class:`Card`, fixed in size for a run so that
+it travels as one float64 tensor, and end on the same :class:`StageOutcome` table, which every stage holds and the
+runtime checks with :func:`require_outcome_fits`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from dynmo_lightning.balance.optimal import InfeasibleMemoryError
+from dynmo_lightning.balance.split.fit import InfeasibleMemoryError
 
 #: One layer as the protocol carries it: ``(cost, memory, *extras)``.
 Layer = tuple[float, ...]

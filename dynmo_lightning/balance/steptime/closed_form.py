@@ -21,8 +21,8 @@ with per-stage constant times, any stages and any ``p2p``; 1F1B with equal stage
 is off both ways (a heavy first stage at few micro-batches hides in the others' fill; forward and backward
 bottlenecks on different stages stall the warm-up; 1F1B cannot hide the hops), and it knows nothing of interleaved
 or zero-bubble schedules. Decisions therefore never use it: the policy, the repack planner, the oracle and the
-simulator use the makespan of the schedule's own task order (:mod:`~dynmo_lightning.balance.makespan`,
-:class:`~dynmo_lightning.balance.planner.StepModel`). :func:`step_time` and :func:`should_repartition` stay for
+simulator use the makespan of the schedule's own task order (:mod:`~dynmo_lightning.balance.steptime.makespan`,
+:class:`~dynmo_lightning.balance.steptime.planner.StepModel`). :func:`step_time` and :func:`should_repartition` stay for
 the quick estimate and for comparison; :func:`repartition_pays` is the rule the policy applies to makespans.
 """
 
@@ -34,8 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynmo_lightning.balance._validation import as_values
-from dynmo_lightning.balance.layout import stage_loads
+from dynmo_lightning.balance.split.checks import as_values
+from dynmo_lightning.balance.split.loads import stage_loads
 
 SCHEDULES = ("gpipe", "1f1b")
 

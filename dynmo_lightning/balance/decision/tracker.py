@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from dynmo_lightning.balance.memory import LayerBytes
+from dynmo_lightning.balance.steptime.memory_model import LayerBytes
 
 
 class CostTracker:
@@ -27,7 +27,8 @@ class CostTracker:
     """
 
     #: ``bwd_weight``: the weight part of ``bwd`` (zero-bubble ``W`` tasks; 0 where the schedule runs it whole); the
-    #: bytes are what :class:`~dynmo_lightning.balance.memory.LayerBytes` describes (:meth:`layer_memory`).
+    #: bytes are what :class:`~dynmo_lightning.balance.steptime.memory_model.LayerBytes` describes
+    #: (:meth:`layer_memory`).
     FIELDS = (
         "fwd", "bwd", "bwd_weight", "activation_bytes", "param_bytes", "grad_bytes", "optim_bytes",
         "recompute_bytes", "input_bytes", "weight_copies_bytes",

@@ -7,14 +7,14 @@ the sum of its stages and the interleaving decides the makespan. :func:`makespan
 
 1. start from the bottleneck-optimal split (the planner's proven optimum for the steady state);
 2. local search: move one cut by one layer, or one stage by one layer (two neighbouring cuts together), keep the
-   best move while the makespan drops (:func:`~dynmo_lightning.balance.makespan.makespan`);
+   best move while the makespan drops (:func:`~dynmo_lightning.balance.steptime.makespan.makespan`);
 3. with two stages per rank, climb again from the split that balances the ranks' sums instead of the stages
-   (:func:`~dynmo_lightning.balance.rank_split.rank_split`): the least largest stage leaves a rank free to hold
+   (:func:`~dynmo_lightning.balance.steptime.rank_split.rank_split`): the least largest stage leaves a rank free to hold
    two of the largest, and one-layer moves do not lead out of that when several ranks sit at the top (issue 38:
    from the stage seed alone, splits up to 1.4 times slower at 16 ranks);
 4. a branch and bound over the stages, within a budget, bounded by the best found;
-5. every candidate is first bounded below (:func:`~dynmo_lightning.balance.makespan.lower_bound`, each rank's own
-   work after the first input reaches it): a candidate whose bound is not below the best makespan found is never
+5. every candidate is first bounded below (:func:`~dynmo_lightning.balance.steptime.makespan.lower_bound`, each rank's
+   own work after the first input reaches it): a candidate whose bound is not below the best makespan found is never
    simulated, so a search costs a few event-engine runs.
 
 It is exact on every random small case of the brute-force tests (``tests/balance/test_planner.py``: 1F1B, GPipe,
@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from dynmo_lightning.balance.layout import validate_partition
-from dynmo_lightning.balance.makespan import ZERO_BUBBLE, execute, lower_bound, rank_orders
-from dynmo_lightning.balance.memory import MemoryCheck
-from dynmo_lightning.balance.optimal import InfeasibleMemoryError
-from dynmo_lightning.balance.partition import partition
-from dynmo_lightning.balance.placement import stage_ranks
-from dynmo_lightning.balance.rank_split import rank_split
+from dynmo_lightning.balance.partitioning.methods import partition
+from dynmo_lightning.balance.split.fit import InfeasibleMemoryError
+from dynmo_lightning.balance.split.loads import validate_partition
+from dynmo_lightning.balance.split.placement import stage_ranks
+from dynmo_lightning.balance.steptime.makespan import ZERO_BUBBLE, execute, lower_bound, rank_orders
+from dynmo_lightning.balance.steptime.memory_model import MemoryCheck
+from dynmo_lightning.balance.steptime.rank_split import rank_split
 
 #: Partial splits the branch and bound visits before it settles for the local optimum.
 NODE_BUDGET = 10_000
@@ -55,7 +55,7 @@ class StepModel:
         fwd: forward time of each layer for one micro-batch.
         bwd: full backward time of each layer (input and weight gradients).
         n_microbatches: micro-batches per step.
-        schedule: a schedule of :data:`~dynmo_lightning.balance.makespan.SCHEDULES`.
+        schedule: a schedule of :data:`~dynmo_lightning.balance.steptime.makespan.SCHEDULES`.
         p2p: time of one hop between ranks.
         wgt: weight-gradient part of each layer's backward (zero-bubble ``W`` tasks); ``None``: 0.
         stages_per_rank: stages each rank holds.
@@ -140,7 +140,7 @@ def makespan_split(
         model: the step model (costs, schedule, placement).
         n_stages: stages of the split (``stages_per_rank`` times the ranks).
         memory: what fits: memory each layer needs (with ``capacity``: every stage's sum within it), or a
-            :class:`~dynmo_lightning.balance.memory.MemoryCheck` (every rank's predicted peak within its
+            :class:`~dynmo_lightning.balance.steptime.memory_model.MemoryCheck` (every rank's predicted peak within its
             capacity, ``capacity`` unused).
         capacity: memory a stage may hold, one number or one per stage (with per-layer ``memory``).
         start: the split to climb from; default the bottleneck-optimal one.
@@ -160,7 +160,7 @@ class _Fit:
     """What fits in memory, for the search: whole splits, and stages while a split is built (prune when false).
 
     From per-layer memory and capacities (a stage's sum), or from a
-    :class:`~dynmo_lightning.balance.memory.MemoryCheck` (every rank's predicted peak).
+    :class:`~dynmo_lightning.balance.steptime.memory_model.MemoryCheck` (every rank's predicted peak).
     """
 
     def __init__(
@@ -379,9 +379,9 @@ def even_memory(
     """The split whose ranks' predicted peaks are the most even found within ``cost`` of ``makespan``.
 
     From ``split`` (the fastest found) and from the split that fills the ranks most evenly
-    (:meth:`~dynmo_lightning.balance.memory.MemoryCheck.feasible`), a local search over one-layer moves lowers the
-    ratio of the largest to the smallest peak while the makespan stays within ``(1 + cost) * makespan`` and every
-    rank fits. A heuristic: the even split it returns is not proven the most even.
+    (:meth:`~dynmo_lightning.balance.steptime.memory_model.MemoryCheck.feasible`), a local search over one-layer moves
+    lowers the ratio of the largest to the smallest peak while the makespan stays within ``(1 + cost) * makespan`` and
+    every rank fits. A heuristic: the even split it returns is not proven the most even.
     """
     bar = makespan * (1 + cost)
     best, spread = list(split), check.spread(split)

@@ -8,10 +8,10 @@ numbers travel with it), a push flag, a relay flag, the latest round it heard of
 and a lane of entries each way (one gather entry in exact mode; prefix sums and pieces in sweep mode).
 
 Besides layers, the stages diffuse a bottleneck bound ``B``: every stage runs its own copy of the exact search of
-:class:`~dynmo_lightning.balance._search.BoundSearch`, fed with values all-reduced over neighbour links (each round
-a stage combines its value with its neighbours'; after ``P - 1`` rounds all agree: max, min and "and" are
-idempotent), so all copies propose the same bound. For a bound ``B`` (never below the largest layer cost) the
-stages *settle*:
+:class:`~dynmo_lightning.balance.split.bound_search.BoundSearch`, fed with values all-reduced over neighbour links (each
+round a stage combines its value with its neighbours'; after ``P - 1`` rounds all agree: max, min and "and" are
+idempotent), so all copies propose the same bound. For a bound ``B`` (never below the largest layer cost) the stages
+*settle*:
 
 1. push phase: a stage (not the last) whose load exceeds ``B`` or whose memory exceeds the capacity passes its
    last layer to its right neighbour. When no stage pushes, every stage but the last fits, which puts every boundary
@@ -45,8 +45,8 @@ Rounds (see :func:`round_bound`): ``(K + 2)(P - 1)`` reduction and gather rounds
 and ``m`` the layer moves of a phase (each boundary moves one way per phase, so ``m <= (P - 1)(L - P)``).
 
 :class:`ExactMode` is this mode as one stage runs it, on the stage's
-:class:`~dynmo_lightning.balance.stage_state.StageState`; the sweep mode (:mod:`~dynmo_lightning.balance.sweep`)
-goes on in it when its own split breaks the memory capacity.
+:class:`~dynmo_lightning.balance.diffusion.stage_state.StageState`; the sweep mode
+(:mod:`~dynmo_lightning.balance.diffusion.sweep_mode`) goes on in it when its own split breaks the memory capacity.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator
 
-from dynmo_lightning.balance._search import BoundSearch
-from dynmo_lightning.balance.cards import Card, Layer, Neighbours, StageOutcome
-from dynmo_lightning.balance.stage_state import StageState
+from dynmo_lightning.balance.diffusion.cards import Card, Layer, Neighbours, StageOutcome
+from dynmo_lightning.balance.diffusion.stage_state import StageState
+from dynmo_lightning.balance.split.bound_search import BoundSearch
 
-#: Phases of the exact mode, as :attr:`~dynmo_lightning.balance.stage_state.StageState.phase` names them.
+#: Phases of the exact mode, as :attr:`~dynmo_lightning.balance.diffusion.stage_state.StageState.phase` names them.
 REDUCE, PUSH, PULL, GATHER = "reduce", "push", "pull", "gather"
 
 _Op = Callable[[float, float], float]

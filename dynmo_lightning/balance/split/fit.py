@@ -1,20 +1,18 @@
-"""Exact bottleneck-optimal contiguous partitioning, with optional per-stage memory capacities.
+"""Memory capacities of a split: which blocks fit each stage, and the check that some split fits at all.
 
-Arithmetic model: a block ``[s, e)`` of layers costs ``prefix[e] - prefix[s]`` in float64, with ``prefix`` the
-running sum of the costs. That block cost only grows when the block grows, which is all the arguments below need,
-so every statement here is exact in this arithmetic (and exact outright for integer-valued costs below 2**53).
+Shared by both partitioning methods: the optimal split (:mod:`~dynmo_lightning.balance.partitioning.optimal`) probes
+with these reaches, and diffusion (:mod:`~dynmo_lightning.balance.diffusion`) checks the fit before its first round.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from dynmo_lightning.balance._search import BoundSearch
-from dynmo_lightning.balance._validation import fmt
-from dynmo_lightning.balance.layout import prefix_sums
+from dynmo_lightning.balance.split.checks import fmt
+from dynmo_lightning.balance.split.loads import prefix_sums
 
 
 class InfeasibleMemoryError(ValueError):
@@ -25,7 +23,7 @@ def reach(prefix: np.ndarray, bound: float) -> np.ndarray:
     """Furthest end of a block starting at each layer whose sum stays within a bound.
 
     Args:
-        prefix: running sums with a leading zero (see :func:`~dynmo_lightning.balance.layout.prefix_sums`).
+        prefix: running sums with a leading zero (see :func:`~dynmo_lightning.balance.split.loads.prefix_sums`).
         bound: largest allowed block sum.
 
     Returns:
@@ -44,7 +42,7 @@ def reach(prefix: np.ndarray, bound: float) -> np.ndarray:
     return np.searchsorted(prefix, limit, side="right") - 1
 
 
-def _tails(cost_reach: np.ndarray, rooms: Sequence[np.ndarray]) -> list[np.ndarray]:
+def block_tails(cost_reach: np.ndarray, rooms: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Backward pass over stages: how far each stage may reach and still leave a feasible split of the rest.
 
     Args:
@@ -70,11 +68,11 @@ def _tails(cost_reach: np.ndarray, rooms: Sequence[np.ndarray]) -> list[np.ndarr
     return out
 
 
-def _walk(tails: list[np.ndarray]) -> list[int] | None:
+def greedy_walk(tails: list[np.ndarray]) -> list[int] | None:
     """Forward pass: give each stage, left to right, the most layers that still leave a feasible rest.
 
     Args:
-        tails: output of :func:`_tails`.
+        tails: output of :func:`block_tails`.
 
     Returns:
         Layers per stage, or ``None`` if the first stage cannot start (no feasible split).
@@ -90,7 +88,7 @@ def _walk(tails: list[np.ndarray]) -> list[int] | None:
     return sizes
 
 
-class _Room:
+class MemoryRoom:
     """Per-stage memory limits as block reaches, and the check that some split respects them."""
 
     def __init__(self, limits: tuple[np.ndarray, np.ndarray] | None, n_layers: int, n_stages: int) -> None:
@@ -138,8 +136,8 @@ class _Room:
                 f"{fmt(self.prefix[n])} vs total capacity {fmt(capacities.sum())}); raise the capacity, add stages "
                 "or cut per-layer memory"
             )
-        tails = _tails(np.full(n + 1, n), self.ends)
-        if _walk(tails) is None:
+        tails = block_tails(np.full(n + 1, n), self.ends)
+        if greedy_walk(tails) is None:
             raise InfeasibleMemoryError(self._explain_nonempty(tails))
 
     def _explain_nonempty(self, tails: list[np.ndarray]) -> str:
@@ -151,7 +149,7 @@ class _Room:
         ``q = 0``, layers ``0..t-1`` exceed its capacity; otherwise even the single layer ``t - 1`` does.
 
         Args:
-            tails: :func:`_tails` at an unlimited cost bound.
+            tails: :func:`block_tails` at an unlimited cost bound.
 
         Returns:
             The error message.
@@ -178,91 +176,6 @@ class _Room:
         )
 
 
-class _Plan:
-    """One partitioning problem: prefix sums, memory reaches and the two feasibility probes."""
-
-    def __init__(self, costs: np.ndarray, room: _Room) -> None:
-        self.n = costs.size
-        self.prefix = prefix_sums(costs)
-        self._prefix = self.prefix.tolist()
-        self.room = room
-        self._last_split: tuple[float, list[int] | None] | None = None
-
-    def probe_relaxed(self, bound: float) -> tuple[bool, float]:
-        """Greedy feasibility of splits that may leave stages empty.
-
-        Each stage takes the longest block within the bound and its capacity. For a fixed bound this covers the
-        most layers any split can: by induction, if some split's first ``p`` stages end at ``f``, the greedy's end
-        at ``p`` is at least ``f``, because the block from the greedy's previous end to ``f`` lies inside that
-        split's ``p``-th block, and block cost and memory only shrink when a block shrinks.
-
-        Args:
-            bound: the bottleneck bound to test.
-
-        Returns:
-            ``(True, bottleneck of the greedy split)`` or ``(False, least block sum above the bound that would let
-            a stage stopped by the bound take one more layer)``; below that value the greedy runs identically, so
-            no smaller bound is feasible either.
-
-        """
-        cost_reach = reach(self.prefix, bound).tolist()
-        prefix, n = self._prefix, self.n
-        start, worst, least_next = 0, 0.0, math.inf
-        for room in self.room.lists:
-            if start == n:
-                break
-            stop, fit = cost_reach[start], room[start]
-            if stop < fit:
-                least_next = min(least_next, prefix[stop + 1] - prefix[start])
-            end = min(stop, fit)
-            worst = max(worst, prefix[end] - prefix[start])
-            start = end
-        return (True, worst) if start == n else (False, least_next)
-
-    def split(self, bound: float) -> list[int] | None:
-        """Lexicographically largest split within a bound, with at least one layer per stage.
-
-        Args:
-            bound: the bottleneck bound.
-
-        Returns:
-            Layers per stage, each stage as long as possible from the left given that the later stages can still
-            be filled; ``None`` if no split fits the bound.
-
-        """
-        # The final split is usually asked for at the bound the last probe just tested.
-        if self._last_split is None or self._last_split[0] != bound:
-            self._last_split = (bound, _walk(_tails(reach(self.prefix, bound), self.room.ends)))
-        return self._last_split[1]
-
-    def probe(self, bound: float) -> tuple[bool, float]:
-        """Exact feasibility with at least one layer per stage (needed once capacities differ per stage).
-
-        Args:
-            bound: the bottleneck bound to test.
-
-        Returns:
-            ``(True, bottleneck of the split found)`` or ``(False, least block sum above the bound)``; the set of
-            blocks within the bound, hence the answer, is the same for every bound below that value.
-
-        """
-        sizes = self.split(bound)
-        if sizes is not None:
-            ends = np.cumsum(sizes)
-            return True, float(np.max(self.prefix[ends] - self.prefix[ends - sizes]))
-        cost_reach = reach(self.prefix, bound)
-        open_starts = np.flatnonzero(cost_reach < self.n)
-        if open_starts.size == 0:
-            return False, math.inf
-        return False, float(np.min(self.prefix[cost_reach[open_starts] + 1] - self.prefix[open_starts]))
-
-
-def _least_bound(search: BoundSearch, probe: Callable[[float], tuple[bool, float]]) -> float:
-    while not search.done:
-        search.record(*probe(search.point()))
-    return search.hi
-
-
 def require_memory_fit(limits: tuple[np.ndarray, np.ndarray] | None, n_layers: int, n_stages: int) -> None:
     """Raise unless some contiguous split with one or more layers per stage respects every capacity.
 
@@ -272,45 +185,7 @@ def require_memory_fit(limits: tuple[np.ndarray, np.ndarray] | None, n_layers: i
         n_stages: pipeline stages.
 
     Raises:
-        InfeasibleMemoryError: with the most concrete reason found (see ``_Room.require_fit``).
+        InfeasibleMemoryError: with the most concrete reason found (see ``MemoryRoom.require_fit``).
 
     """
-    _Room(limits, n_layers, n_stages).require_fit()
-
-
-def optimal_split(costs: np.ndarray, n_stages: int, limits: tuple[np.ndarray, np.ndarray] | None) -> list[int]:
-    """Contiguous split minimising the largest stage cost, exactly; see :func:`dynmo_lightning.balance.partition`.
-
-    Why it is optimal: feasibility of a bound is monotone in the bound, and the optimum is one of the block sums.
-    :class:`BoundSearch` keeps a feasible block sum above and an infeasible-proven value below, and each probe
-    moves one of them onto a block sum (the split's bottleneck, or the least block sum that could change the
-    probe's answer) while halving the gap, so it ends on the optimum itself. Probes first use the greedy of
-    :meth:`_Plan.probe_relaxed`, optimal for splits that may leave stages empty; with no capacities or one shared
-    capacity that loses nothing, since moving single layers into empty stages from the end never raises the
-    bottleneck or breaks the capacity. With per-stage capacities, the exact dynamic programme of :meth:`_Plan.split`
-    continues the search from there. Among optimal splits the lexicographically largest one is returned: each stage,
-    left to right, takes as many layers as it can while the rest can still be split within the optimum.
-
-    Args:
-        costs: checked per-layer costs.
-        n_stages: checked number of stages (at most the number of layers).
-        limits: ``(per-layer memory, per-stage capacity)`` or ``None``.
-
-    Returns:
-        Layers per stage.
-
-    Raises:
-        InfeasibleMemoryError: if no split respects the capacities.
-
-    """
-    room = _Room(limits, costs.size, n_stages)
-    room.require_fit()
-    plan = _Plan(costs, room)
-    single = float(np.max(np.diff(plan.prefix)))
-    balanced = max(single, float(plan.prefix[-1]) / n_stages)
-    # Without limits the optimum lies in [total / P, total / P + largest layer]: good first guesses.
-    relaxed = _least_bound(BoundSearch(single, (balanced, balanced + single)), plan.probe_relaxed)
-    bound = _least_bound(BoundSearch(relaxed, (relaxed,)), plan.probe)
-    sizes = plan.split(bound)
-    assert sizes is not None, "the bound came from a feasible probe"
-    return sizes
+    MemoryRoom(limits, n_layers, n_stages).require_fit()

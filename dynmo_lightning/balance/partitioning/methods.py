@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dynmo_lightning.balance._validation import as_capacities, as_stage_count, as_values
-from dynmo_lightning.balance.diffusion import diffuse
-from dynmo_lightning.balance.optimal import optimal_split
+from dynmo_lightning.balance.diffusion.driver import diffuse
+from dynmo_lightning.balance.partitioning.optimal import optimal_split
+from dynmo_lightning.balance.split.checks import as_capacities, as_stage_count, as_values
 
 METHODS = ("optimal", "uniform", "params", "static_time", "diffusion")
 
@@ -33,17 +33,17 @@ def partition(
       within ``B``; no split covers more layers) or, with per-stage capacities, a dynamic programme; the optimum is
       a block sum; and a bisection whose ends snap onto block sums (a feasible probe's bottleneck above, the least
       block sum that could change a failing probe below) halves the gap with every probe and stops on the optimum
-      itself, with no epsilon (details: :func:`~dynmo_lightning.balance.optimal.optimal_split`). With ``memory``
-      and ``capacity``, only splits whose every stage fits its capacity count. Among optimal splits the
-      lexicographically largest is returned: each stage, left to right, takes as many layers as it can while the
-      rest still fits the optimum.
+      itself, with no epsilon (details: :func:`~dynmo_lightning.balance.partitioning.optimal.optimal_split`). With
+      ``memory`` and ``capacity``, only splits whose every stage fits its capacity count. Among optimal splits the
+      lexicographically largest is returned: each stage, left to right, takes as many layers as it can while the rest
+      still fits the optimum.
     * ``"uniform"``: by layer count only; sizes differ by at most one, larger stages first (10 layers on 4 stages:
       ``[3, 3, 2, 2]``). Costs count only through their length, and memory limits are not enforced.
     * ``"params"``: DeepSpeed-style balancing of parameter counts; pass per-layer parameter counts as ``costs``.
       It is the optimal split of those counts, which DeepSpeed's ``partition_balanced`` only approximates.
     * ``"static_time"``: torchgpipe's ``balance_by_time``; pass per-layer times profiled once at the start. It is
       the optimal split of those times; never re-planning afterwards is the caller's policy.
-    * ``"diffusion"``: the neighbour-only protocol of :func:`~dynmo_lightning.balance.diffusion.diffuse`, started
+    * ``"diffusion"``: the neighbour-only protocol of :func:`~dynmo_lightning.balance.diffusion.driver.diffuse`, started
       from the uniform split; it ends on an optimal split. It needs one capacity shared by all stages.
 
     Args:

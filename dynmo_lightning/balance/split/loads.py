@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynmo_lightning.balance._validation import as_values
-from dynmo_lightning.balance.placement import stage_ranks
+from dynmo_lightning.balance.split.checks import as_values
+from dynmo_lightning.balance.split.placement import stage_ranks
 
 
 def prefix_sums(values: np.ndarray) -> np.ndarray:
@@ -122,7 +122,7 @@ def imbalance(loads: Sequence[float]) -> float:
 
 
 def layer_owners(layers_per_stage: Sequence[int], n_ranks: int | None = None, schedule: str = "1f1b") -> list[int]:
-    """The rank holding each layer, stages placed by :func:`~dynmo_lightning.balance.placement.stage_ranks`.
+    """The rank holding each layer, stages placed by :func:`~dynmo_lightning.balance.split.placement.stage_ranks`.
 
     Args:
         layers_per_stage: a partition.

@@ -1,7 +1,7 @@
 """The one-sweep mode of diffusion balancing: equal-share cuts from prefix sums, within one layer of the optimum.
 
-Where the exact mode (:mod:`~dynmo_lightning.balance.exact`) searches the optimal bottleneck with about a dozen
-probes of ``~3 P`` rounds each, the sweep mode plans in three short phases over the same neighbour cards:
+Where the exact mode (:mod:`~dynmo_lightning.balance.diffusion.exact_mode`) searches the optimal bottleneck with about a
+dozen probes of ``~3 P`` rounds each, the sweep mode plans in three short phases over the same neighbour cards:
 
 1. *scan*, ``P - 1`` rounds: a forward sweep passes each stage the cost of all layers before it (a prefix sum,
    added left to right) and a backward sweep the cost of all layers after it, concurrently; after ``P - 1`` rounds
@@ -41,8 +41,8 @@ Rounds: :func:`sweep_rounds` - ``(P - 1) + F`` rounds, plus ``F`` when huge laye
 ``F = P - 2 + ceil((2 P - 1) / SLOTS)``.
 
 :class:`SweepMode` is this mode as one stage runs it, on the stage's
-:class:`~dynmo_lightning.balance.stage_state.StageState`; the functions before it are the cut's arithmetic, which
-:func:`sweep_split` also computes in one place.
+:class:`~dynmo_lightning.balance.diffusion.stage_state.StageState`; the functions before it are the cut's arithmetic,
+which :func:`sweep_split` also computes in one place.
 """
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ from itertools import pairwise
 
 import numpy as np
 
-from dynmo_lightning.balance.cards import Card, Layer, Neighbours, StageOutcome
-from dynmo_lightning.balance.exact import ExactMode
-from dynmo_lightning.balance.stage_state import StageState, fold
+from dynmo_lightning.balance.diffusion.cards import Card, Layer, Neighbours, StageOutcome
+from dynmo_lightning.balance.diffusion.exact_mode import ExactMode
+from dynmo_lightning.balance.diffusion.stage_state import StageState, fold
 
 #: Pieces a card carries per direction in the flood phase (the card stays a few kB: latency-bound, not bandwidth).
 SLOTS = 16
 
-#: Phases of the sweep mode, as :attr:`~dynmo_lightning.balance.stage_state.StageState.phase` names them.
+#: Phases of the sweep mode, as :attr:`~dynmo_lightning.balance.diffusion.stage_state.StageState.phase` names them.
 SCAN, FLOOD = "scan", "flood"
 
 
@@ -143,7 +143,7 @@ class SweepMode:
     """The sweep mode as one stage runs it: scan, local cut, flood (twice if a cut moved); see the module docstring.
 
     Where the split breaks the shared memory capacity, every stage sees it in the per-stage sums and goes on in the
-    exact mode (:class:`~dynmo_lightning.balance.exact.ExactMode`) alike.
+    exact mode (:class:`~dynmo_lightning.balance.diffusion.exact_mode.ExactMode`) alike.
 
     Args:
         state: the stage's state; the mode sets its phase (it moves no layer records while it plans).

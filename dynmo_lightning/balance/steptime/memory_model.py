@@ -3,7 +3,7 @@
 A layer is described by :class:`LayerBytes` (its weights, gradients and optimizer state as one process holds
 them, i.e. ``1/D`` under FSDP; what it keeps for backward per micro-batch, a checkpointed layer its kept input;
 its recomputation's bytes; its input's size). A rank's memory during one step is then, in the order its schedule
-runs its tasks (:func:`~dynmo_lightning.balance.makespan.rank_orders`):
+runs its tasks (:func:`~dynmo_lightning.balance.steptime.makespan.rank_orders`):
 
 - always: the weights and optimizer state of its stages, and torch's receive buffers, one input per micro-batch on
   every stage but the first and one output gradient per micro-batch on every stage but the last;
@@ -29,8 +29,8 @@ import functools
 import math
 from collections.abc import Sequence
 
-from dynmo_lightning.balance.makespan import rank_orders
-from dynmo_lightning.balance.placement import stage_ranks
+from dynmo_lightning.balance.split.placement import stage_ranks
+from dynmo_lightning.balance.steptime.makespan import rank_orders
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +119,7 @@ class MemoryModel:
 
     Args:
         layers: every layer's bytes (:class:`LayerBytes`).
-        schedule: a schedule of :data:`~dynmo_lightning.balance.makespan.SCHEDULES`.
+        schedule: a schedule of :data:`~dynmo_lightning.balance.steptime.makespan.SCHEDULES`.
         n_ranks: pipeline ranks.
         n_microbatches: micro-batches per step.
         stages_per_rank: stages per rank.

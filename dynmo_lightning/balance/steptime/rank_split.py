@@ -1,13 +1,13 @@
 """The split that balances ranks, not stages, when every rank holds two stages (the V of ZBV/DualPipeV, or a loop).
 
-With one stage per rank the bottleneck-optimal split (:func:`~dynmo_lightning.balance.partition`, least largest
-stage) is the steady state's optimum. With two stages per rank it is not: a rank runs the sum of its two stages, and
-the least largest *stage* leaves those sums to chance. In the 64-layer model of the scale benchmark on 16 ranks in a
+With one stage per rank the bottleneck-optimal split (:func:`~dynmo_lightning.balance.partition`, least
+largest stage) is the steady state's optimum. With two stages per rank it is not: a rank runs the sum of its two stages,
+and the least largest *stage* leaves those sums to chance. In the 64-layer model of the scale benchmark on 16 ranks in a
 V, whose vocabulary head alone outweighs any two blocks, every split whose stages stay under the head's cost has the
-least bottleneck; the partitioner's tie-break fills the front stages up to it, and rank 0 holds the head beside a
-front stage as heavy as the head (issue 38). :func:`rank_split` balances what the planner bounds a rank by instead
-(:func:`~dynmo_lightning.balance.makespan.lower_bound`): the forwards before the rank's first stage plus ``M`` times
-the work of its two stages.
+least bottleneck; the partitioner's tie-break fills the front stages up to it, and rank 0 holds the head beside a front
+stage as heavy as the head (issue 38). :func:`rank_split` balances what the planner bounds a rank by instead
+(:func:`~dynmo_lightning.balance.steptime.makespan.lower_bound`): the forwards before the rank's first stage plus ``M``
+times the work of its two stages.
 
 Balanced how: the least bound of the slowest rank has ties too (the rank holding the head sets it, whatever the
 others hold), and ranks left at that bound beside it each add their own fill and drain to the step (the pruned model
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynmo_lightning.balance.placement import V_SCHEDULES
+from dynmo_lightning.balance.split.placement import V_SCHEDULES
 
 #: Relative width of the bound bracket at which the bisection stops (the planner's search refines the rest).
 RELATIVE_GAP = 1e-3
@@ -53,7 +53,7 @@ def rank_split(
         costs: forward plus backward time of each layer.
         n_ranks: pipeline ranks ``R`` (``2 R`` stages).
         n_microbatches: micro-batches per step ``M``.
-        schedule: the schedule, which places the stages (a V for :data:`~dynmo_lightning.balance.placement.
+        schedule: the schedule, which places the stages (a V for :data:`~dynmo_lightning.balance.split.placement.
             V_SCHEDULES`, a loop otherwise).
 
     Returns:

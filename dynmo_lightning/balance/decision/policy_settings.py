@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dynmo_lightning.balance.diffusion import EXACT, MODES
+from dynmo_lightning.balance.diffusion.driver import EXACT, MODES
 
 #: Planning methods: ``"optimal"`` and ``"diffusion"`` re-plan at every check; ``"static_time"`` and ``"params"``
 #: plan once (torchgpipe's balance_by_time, DeepSpeed's parameter balance); ``"random"`` moves to a random split at

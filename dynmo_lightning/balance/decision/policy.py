@@ -15,15 +15,15 @@ A policy keeps what it has measured (a :class:`~dynmo_lightning.balance.CostTrac
   more than one measurement;
 * :meth:`BalancePolicy.due` - whether a check is due once ``step`` optimizer steps are done;
 * :meth:`BalancePolicy.decide` - the check itself: plan a split with ``method`` (``"optimal"`` and ``"static_time"``:
-  the makespan-optimal split, :func:`~dynmo_lightning.balance.planner.makespan_split`), decide whether migrating to
-  it pays (:func:`~dynmo_lightning.balance.cost_model.repartition_pays` on the two makespans of the schedule's own
-  task order, :class:`~dynmo_lightning.balance.planner.StepModel`: the predicted saving until the next check beats
-  the migration time, bytes to move over the bandwidth, and the relative gain beats ``min_gain``), then, with
-  ``repack``, whether fewer ranks keep the step time (:func:`~dynmo_lightning.balance.plan_repack`) or, when
-  released ranks wait to come back (``PipelineShape.waiting``), whether more stages pay again: a *grow*, when the
-  pipeline's makespan is more than ``repack_tolerance`` above the full pipeline's best, to the fewest stages within
-  it (charged like a migration: the bytes of the layers that change rank). Both aim at the same stage count for
-  the same costs, so a shrink and a grow never undo each other.
+  the makespan-optimal split, :func:`~dynmo_lightning.balance.steptime.planner.makespan_split`), decide whether
+  migrating to it pays (:func:`~dynmo_lightning.balance.steptime.closed_form.repartition_pays` on the two makespans of
+  the schedule's own task order, :class:`~dynmo_lightning.balance.steptime.planner.StepModel`: the predicted saving
+  until the next check beats the migration time, bytes to move over the bandwidth, and the relative gain beats
+  ``min_gain``), then, with ``repack``, whether fewer ranks keep the step time
+  (:func:`~dynmo_lightning.balance.plan_repack`) or, when released ranks wait to come back (``PipelineShape.waiting``),
+  whether more stages pay again: a *grow*, when the pipeline's makespan is more than ``repack_tolerance`` above the full
+  pipeline's best, to the fewest stages within it (charged like a migration: the bytes of the layers that change rank).
+  Both aim at the same stage count for the same costs, so a shrink and a grow never undo each other.
 
 The caller carries the decisions out (moves layers, or replays their cost) and reports measured migrations back with
 :meth:`BalancePolicy.record_migration`, which updates the bandwidth estimate.
@@ -38,23 +38,23 @@ import random
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from dynmo_lightning.balance.cost_model import repartition_pays
-from dynmo_lightning.balance.diffusion import (
+from dynmo_lightning.balance.decision.policy_settings import DEFAULT_BANDWIDTH, BalanceSettings
+from dynmo_lightning.balance.decision.repack import best_split, plan_repack
+from dynmo_lightning.balance.decision.tracker import CostTracker
+from dynmo_lightning.balance.diffusion.driver import (
     DiffusionStage,
     StageOutcome,
     diffuse,
     require_outcome_fits,
     shared_capacity,
 )
-from dynmo_lightning.balance.layout import bytes_moved
-from dynmo_lightning.balance.makespan import makespan
-from dynmo_lightning.balance.memory import MemoryCheck
-from dynmo_lightning.balance.optimal import InfeasibleMemoryError
-from dynmo_lightning.balance.partition import partition
-from dynmo_lightning.balance.planner import StepModel, even_memory, makespan_split
-from dynmo_lightning.balance.repack import best_split, plan_repack
-from dynmo_lightning.balance.settings import DEFAULT_BANDWIDTH, BalanceSettings
-from dynmo_lightning.balance.tracker import CostTracker
+from dynmo_lightning.balance.partitioning.methods import partition
+from dynmo_lightning.balance.split.fit import InfeasibleMemoryError
+from dynmo_lightning.balance.split.loads import bytes_moved
+from dynmo_lightning.balance.steptime.closed_form import repartition_pays
+from dynmo_lightning.balance.steptime.makespan import makespan
+from dynmo_lightning.balance.steptime.memory_model import MemoryCheck
+from dynmo_lightning.balance.steptime.planner import StepModel, even_memory, makespan_split
 from dynmo_lightning.settings import resolve
 
 #: Methods that plan once and never again.
@@ -71,9 +71,10 @@ class PipelineShape:
     Attributes:
         layers_per_stage: the split in force.
         n_ranks: processes of the pipeline (stage ``s`` runs on the rank
-            :func:`~dynmo_lightning.balance.placement.stage_ranks` gives: ``s % n_ranks``, or the V of ZBV/DualPipeV).
+            :func:`~dynmo_lightning.balance.split.placement.stage_ranks` gives: ``s % n_ranks``, or the V of
+            ZBV/DualPipeV).
         n_microbatches: micro-batches per step.
-        schedule: a schedule of :data:`~dynmo_lightning.balance.makespan.SCHEDULES` (its task order is what the
+        schedule: a schedule of :data:`~dynmo_lightning.balance.steptime.makespan.SCHEDULES` (its task order is what the
             step time of every decision is simulated from).
         param_counts: parameters of each layer (for ``method="params"``).
         nodes: the node each rank runs on (a repack then frees whole nodes); ``None``: unknown.
@@ -140,9 +141,10 @@ class BalancePolicy:
     """Measured costs, cadence and the keep / migrate / repack decision of DynMo's balancer.
 
     Args:
-        method: one of :data:`METHODS`, or the whole :class:`~dynmo_lightning.balance.settings.BalanceSettings`.
-        **settings: the other fields of :class:`~dynmo_lightning.balance.settings.BalanceSettings` (names,
-            defaults and meaning there), over ``method``'s when that is a settings object.
+        method: one of :data:`METHODS`, or the whole
+        :class:`~dynmo_lightning.balance.decision.policy_settings.BalanceSettings`. **settings: the other fields of
+        :class:`~dynmo_lightning.balance.decision.policy_settings.BalanceSettings`
+            (names, defaults and meaning there), over ``method``'s when that is a settings object.
 
     Raises:
         ValueError: a setting is out of range (the message names it).
@@ -349,7 +351,7 @@ class BalancePolicy:
     def _migration(
         self, pipe: PipelineShape, proposed: list[int], info: dict[str, Any], planned: Sequence[StageOutcome] | None
     ) -> Decision:
-        """Keep or migrate (:func:`~dynmo_lightning.balance.cost_model.should_repartition`'s rule).
+        """Keep or migrate (:func:`~dynmo_lightning.balance.steptime.closed_form.should_repartition`'s rule).
 
         With ``planned`` (the diffusion protocol's outcome) only per-stage sums are used: each stage's forward and
         backward time before and after, and the bytes each stage receives - scalars per stage, no layer's cost.
@@ -494,7 +496,7 @@ class BalancePolicy:
         return None if capacity is None else [capacity] if isinstance(capacity, (int, float)) else list(capacity)
 
     def _memory(self, pipe: PipelineShape) -> tuple[MemoryCheck | None, None]:
-        """What plans must fit: every rank's predicted peak (:class:`~dynmo_lightning.balance.memory.MemoryCheck`)."""
+        """What plans must fit: every rank's predicted peak (:class:`~dynmo_lightning.balance.MemoryCheck`)."""
         if self.settings.memory_capacity in (None, "auto"):  # "auto" is resolved by the runtime balancer
             return None, None
         assert self.tracker is not None

@@ -1,10 +1,11 @@
 """What one diffusion stage knows of itself and shows its neighbours, and the protocol each mode of it follows.
 
 :class:`StageState` is the state both modes work on: the stage's own layers (always the model's ``[first, end)``),
-their sums, the bound and phase of the round, and the :class:`~dynmo_lightning.balance.cards.Card` it shows.
-:class:`DiffusionMode` is what :class:`~dynmo_lightning.balance.diffusion.DiffusionStage` dispatches to: the
-exact mode (:mod:`~dynmo_lightning.balance.exact`) and the sweep mode (:mod:`~dynmo_lightning.balance.sweep`) each
-plan as one generator of cards. :func:`shared_capacity` is the one memory capacity the protocol takes.
+their sums, the bound and phase of the round, and the :class:`~dynmo_lightning.balance.diffusion.cards.Card` it shows.
+:class:`DiffusionMode` is what :class:`~dynmo_lightning.balance.diffusion.driver.DiffusionStage` dispatches to: the
+exact mode (:mod:`~dynmo_lightning.balance.diffusion.exact_mode`) and the sweep mode
+(:mod:`~dynmo_lightning.balance.diffusion.sweep_mode`) each plan as one generator of cards. :func:`shared_capacity` is
+the one memory capacity the protocol takes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from collections.abc import Generator, Iterable, Sequence
 from typing import Protocol
 
-from dynmo_lightning.balance.cards import Card, Layer, Neighbours, StageOutcome
+from dynmo_lightning.balance.diffusion.cards import Card, Layer, Neighbours, StageOutcome
 
 
 def fold(values: Iterable[float], start: float = 0.0) -> float:

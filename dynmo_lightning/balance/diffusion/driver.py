@@ -9,19 +9,19 @@ messages on the pipeline group (the balancer at runtime). Both run the same code
 end on the same split.
 
 Two modes, one room each; :class:`DiffusionStage` dispatches to its mode's object (a
-:class:`~dynmo_lightning.balance.stage_state.DiffusionMode`) and never branches on the mode:
+:class:`~dynmo_lightning.balance.diffusion.stage_state.DiffusionMode`) and never branches on the mode:
 
-* ``"exact"`` (:mod:`~dynmo_lightning.balance.exact`) ends on the optimal split, in about a dozen probes of
-  ``~3 P`` rounds each: a bound search by push and pull settles, then a gather; its proof and round bound
+* ``"exact"`` (:mod:`~dynmo_lightning.balance.diffusion.exact_mode`) ends on the optimal split, in about a dozen probes
+  of ``~3 P`` rounds each: a bound search by push and pull settles, then a gather; its proof and round bound
   (:func:`round_bound`, :func:`probe_bound`) are there.
-* ``"sweep"`` (:mod:`~dynmo_lightning.balance.sweep`) scans prefix sums once, cuts at equal shares locally and
-  floods the resulting pieces: about ``2 P`` rounds, bottleneck below the optimum plus the largest layer cost (and
-  exact mode where that split breaks the memory capacity).
+* ``"sweep"`` (:mod:`~dynmo_lightning.balance.diffusion.sweep_mode`) scans prefix sums once, cuts at equal shares
+  locally and floods the resulting pieces: about ``2 P`` rounds, bottleneck below the optimum plus the largest layer
+  cost (and exact mode where that split breaks the memory capacity).
 
-Both use the same cards and outcome (:mod:`~dynmo_lightning.balance.cards`: :class:`Card`, :class:`StageOutcome`,
-:func:`require_outcome_fits`), the same stage state (:mod:`~dynmo_lightning.balance.stage_state`, with
-:func:`shared_capacity`) and the drivers here; those names are re-exported from this module, where callers import
-them.
+Both use the same cards and outcome (:mod:`~dynmo_lightning.balance.diffusion.cards`: :class:`Card`,
+:class:`StageOutcome`, :func:`require_outcome_fits`), the same stage state
+(:mod:`~dynmo_lightning.balance.diffusion.stage_state`, with :func:`shared_capacity`) and the drivers here; those names
+are re-exported from this module, where callers import them.
 """
 
 from __future__ import annotations
@@ -32,13 +32,20 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from dynmo_lightning.balance._validation import as_capacities, as_values
-from dynmo_lightning.balance.cards import Card, Layer, Neighbours, StageOutcome, card_width, require_outcome_fits
-from dynmo_lightning.balance.exact import GATHER, PULL, PUSH, REDUCE, ExactMode, probe_bound, round_bound
-from dynmo_lightning.balance.layout import bottleneck, validate_partition
-from dynmo_lightning.balance.optimal import require_memory_fit
-from dynmo_lightning.balance.stage_state import DiffusionMode, StageState, shared_capacity
-from dynmo_lightning.balance.sweep import FLOOD, SCAN, SweepMode
+from dynmo_lightning.balance.diffusion.cards import (
+    Card,
+    Layer,
+    Neighbours,
+    StageOutcome,
+    card_width,
+    require_outcome_fits,
+)
+from dynmo_lightning.balance.diffusion.exact_mode import GATHER, PULL, PUSH, REDUCE, ExactMode, probe_bound, round_bound
+from dynmo_lightning.balance.diffusion.stage_state import DiffusionMode, StageState, shared_capacity
+from dynmo_lightning.balance.diffusion.sweep_mode import FLOOD, SCAN, SweepMode
+from dynmo_lightning.balance.split.checks import as_capacities, as_values
+from dynmo_lightning.balance.split.fit import require_memory_fit
+from dynmo_lightning.balance.split.loads import bottleneck, validate_partition
 
 __all__ = [
     "EXACT",
@@ -69,8 +76,8 @@ __all__ = [
     "start_stages",
 ]
 
-#: Modes of the protocol: ``"exact"`` ends on the optimal split; ``"sweep"`` (:mod:`~dynmo_lightning.balance.sweep`)
-#: ends within one layer's cost of it in ``~2 P`` rounds.
+#: Modes of the protocol: ``"exact"`` ends on the optimal split; ``"sweep"``
+#: (:mod:`~dynmo_lightning.balance.diffusion.sweep_mode`) ends within one layer's cost of it in ``~2 P`` rounds.
 MODES = EXACT, SWEEP = ("exact", "sweep")
 
 #: The object each mode's stage runs, by mode name.
@@ -84,7 +91,7 @@ class DiffusionStage(StageState):
     and right neighbour sent in the same round (``None`` where there is no neighbour). When :attr:`card` is
     ``None`` the stage is done: :attr:`outcome` holds every stage's :class:`StageOutcome` (all stages finish in the
     same round). The stage never sees another stage's layers but the first/last one a neighbour shows on its card.
-    Its state is a :class:`~dynmo_lightning.balance.stage_state.StageState`; its rounds are its mode's plan.
+    Its state is a :class:`~dynmo_lightning.balance.diffusion.stage_state.StageState`; its rounds are its mode's plan.
 
     Args:
         stage: its index in the pipeline.
@@ -93,9 +100,10 @@ class DiffusionStage(StageState):
         layers: its layers, ``(cost, memory, *extras)`` each, all of the same length (at least 2).
         n_layers: layers of the model.
         capacity: memory a stage may hold (the same for all stages).
-        mode: ``"exact"`` (the bound search of :mod:`~dynmo_lightning.balance.exact`: the optimal split) or
-            ``"sweep"`` (equal-share cuts from prefix sums, within one layer's cost of the optimum in about ``2 P``
-            rounds; see :mod:`~dynmo_lightning.balance.sweep`). Every stage of a run must use the same mode.
+        mode: ``"exact"`` (the bound search of :mod:`~dynmo_lightning.balance.diffusion.exact_mode`: the optimal split)
+            or ``"sweep"`` (equal-share cuts from prefix sums, within one layer's cost of the optimum in about ``2 P``
+            rounds; see :mod:`~dynmo_lightning.balance.diffusion.sweep_mode`). Every stage of a run must use the same
+            mode.
     """
 
     def __init__(
@@ -109,7 +117,8 @@ class DiffusionStage(StageState):
             raise ValueError(f"diffusion mode {mode!r} is not one of {list(MODES)}")
         super().__init__(stage, n_stages, first, records, n_layers=n_layers, capacity=capacity)
         self.mode, self._planner = mode, _MODE_OF[mode](self)
-        #: Entries per card lane: one in exact mode, :data:`~dynmo_lightning.balance.sweep.SLOTS` in sweep mode.
+        #: Entries per card lane: one in exact mode, :data:`~dynmo_lightning.balance.diffusion.sweep_mode.SLOTS` in
+        #: sweep mode.
         self.slots = self._planner.slots
         self.outcome: list[StageOutcome] | None = None
         self._program = self._run()
@@ -287,9 +296,10 @@ def diffuse(
     left to right while the central planner uses prefix sums). The argument is in :mod:`~dynmo_lightning.balance.
     exact`'s docstring; the rounds are bounded by :func:`round_bound`.
 
-    With ``mode="sweep"`` (:mod:`~dynmo_lightning.balance.sweep`) the guarantee is instead: the bottleneck is below
-    the optimal one plus the largest layer cost (``< S / P + c_max``), in :func:`~dynmo_lightning.balance.sweep.
-    sweep_rounds` rounds (about ``2 P``); where that split breaks the memory capacity, the run goes on in exact mode.
+    With ``mode="sweep"`` (:mod:`~dynmo_lightning.balance.diffusion.sweep_mode`) the guarantee is instead: the
+    bottleneck is below the optimal one plus the largest layer cost (``< S / P + c_max``), in
+    :func:`~dynmo_lightning.balance.diffusion.sweep_mode. sweep_rounds` rounds (about ``2 P``); where that split breaks
+    the memory capacity, the run goes on in exact mode.
 
     Intermediate rounds are planning state: a relayed request can leave a stage above the bound (or the capacity)
     for a few rounds. Only the final split is meant to be applied.

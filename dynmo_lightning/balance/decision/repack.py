@@ -3,7 +3,7 @@
 When dynamic techniques shrink the work (frozen layers cost only their forward, pruned layers shrink, exited tokens
 skip layers), the same step time can often be had on fewer workers: fewer stages also mean a shorter pipeline fill
 and drain and fewer hops. :func:`plan_repack` finds the smallest stage count ``P'`` whose makespan-optimal split
-(:func:`~dynmo_lightning.balance.planner.makespan_split`: the schedule's own task order, simulated) is within
+(:func:`~dynmo_lightning.balance.steptime.planner.makespan_split`: the schedule's own task order, simulated) is within
 ``tolerance`` of the best makespan (the makespan-optimal split over ``reference_stages``, the pipeline's full size;
 the current split's makespan when not given) and fits in memory, and chooses which of the current ranks keep
 running so that the fewest bytes move. A stage count whose bound ``M * (its least bottleneck)`` already misses the
@@ -29,9 +29,9 @@ import itertools
 import math
 from collections.abc import Hashable, Sequence
 
-from dynmo_lightning.balance.layout import bottleneck, validate_partition
-from dynmo_lightning.balance.partition import partition
-from dynmo_lightning.balance.planner import StepModel, makespan_split
+from dynmo_lightning.balance.partitioning.methods import partition
+from dynmo_lightning.balance.split.loads import bottleneck, validate_partition
+from dynmo_lightning.balance.steptime.planner import StepModel, makespan_split
 
 #: Node sets tried exactly when choosing which nodes keep running (beyond: the fullest nodes, greedily).
 MAX_NODE_SETS = 4096

@@ -1,7 +1,7 @@
 """The step time of a pipeline schedule's own task order: an event engine over every forward and backward task.
 
 Every decision (migrate, repack, grow) and every oracle rests on this model, not on the closed form of
-:func:`~dynmo_lightning.balance.cost_model.step_time` (exact only where its docstring says).
+:func:`~dynmo_lightning.balance.steptime.closed_form.step_time` (exact only where its docstring says).
 
 Task orders are torch 2.13's (``torch.distributed.pipelining.schedules``), reproduced here in pure Python because
 this package must not import torch; ``tests/balance/test_makespan.py`` checks them against torch's classes:
@@ -12,7 +12,7 @@ this package must not import torch; ``tests/balance/test_makespan.py`` checks th
   (``_get_1f1b_rank_ops``; the zero-bubble one splits each backward into input (``I``) and weight (``W``) parts
   and delays the ``W`` into the bubbles);
 * ``"zbv"`` and ``"dualpipev"`` - ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV``, two stages per rank in a V
-  (:func:`~dynmo_lightning.balance.placement.stage_ranks`). DualPipeV's overlapped forward+backward pairs run
+  (:func:`~dynmo_lightning.balance.split.placement.stage_ranks`). DualPipeV's overlapped forward+backward pairs run
   their two halves one after the other, as the runtime does without a custom overlap function.
 
 Execution model: a rank runs its tasks one at a time in the fixed order of its schedule, waiting when the next
@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dynmo_lightning.balance._validation import as_values
-from dynmo_lightning.balance.placement import V_SCHEDULES, stage_ranks
+from dynmo_lightning.balance.split.checks import as_values
+from dynmo_lightning.balance.split.placement import V_SCHEDULES, stage_ranks
 
 #: Schedules the engine knows, with torch 2.13's task order each.
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
@@ -389,7 +389,8 @@ def makespan(
         p2p: time of one hop between ranks.
         stage_wgt: the weight-gradient part of ``stage_bwd`` that zero-bubble schedules run as separate ``W``
             tasks (``None``: 0, the whole backward is the input part); ignored by schedules without ``W`` tasks.
-        stages_per_rank: stages per rank ``S / R`` (placement :func:`~dynmo_lightning.balance.placement.stage_ranks`).
+        stages_per_rank: stages per rank ``S / R`` (placement
+        :func:`~dynmo_lightning.balance.split.placement.stage_ranks`).
 
     Returns:
         The makespan: when the last task on any rank ends.
