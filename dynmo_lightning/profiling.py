@@ -163,9 +163,9 @@ class LayerProfiler:
                                       if isinstance(t, Tensor) and t.is_floating_point())  # fmt: skip
             self._mark(x, (call, index))
             if not any(t.requires_grad for t in as_tuple(x) if isinstance(t, Tensor)):
-                self._watch_params(index, layer)
+                self._hook_params(index, layer, weight_pass=False)
             if torch.is_grad_enabled():
-                self._weigh_params(index, layer)
+                self._hook_params(index, layer, weight_pass=True)
             pack, observe = self._counters(index, layer)
             start = self._clock.now()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -233,25 +233,25 @@ class LayerProfiler:
     def _stamp(self, kind: str, key: Any) -> None:
         self._events.append((kind, key, self._clock.now()))
 
-    def _watch_params(self, index: int, layer: nn.Module) -> None:
-        """Mark the end of ``layer``'s backward by its parameter-gradient accumulation (its input has no grad)."""
-        if index in self._seen_layers:
+    def _hook_params(self, index: int, layer: nn.Module, weight_pass: bool) -> None:
+        """Hook every trainable parameter of ``layer``, once per layer.
+
+        Outside a weight pass, the end of the layer's backward is marked by its parameter-gradient accumulation (its
+        input has no grad); inside a :meth:`weight_pass`, every parameter gradient computed there is stamped.
+        """
+        hooked = self._weighed_layers if weight_pass else self._seen_layers
+        if index in hooked:
             return
-        self._seen_layers.add(index)
+        hooked.add(index)
         for p in layer.parameters():
-            if p.requires_grad:
+            if not p.requires_grad:
+                continue
+            if weight_pass:
+                self._hooks.append(p.register_hook(lambda _g, index=index: self._stamp_weight(index)))
+            else:
                 self._hooks.append(
                     p.register_post_accumulate_grad_hook(lambda _p, index=index: self._stamp("param", index))
                 )
-
-    def _weigh_params(self, index: int, layer: nn.Module) -> None:
-        """Stamp every parameter gradient of ``layer`` computed inside a :meth:`weight_pass`."""
-        if index in self._weighed_layers:
-            return
-        self._weighed_layers.add(index)
-        for p in layer.parameters():
-            if p.requires_grad:
-                self._hooks.append(p.register_hook(lambda _g, index=index: self._stamp_weight(index)))
 
     def _stamp_weight(self, index: int) -> None:
         if self._in_weight_pass:  # a full backward computes the same gradients: its time is the boundaries'

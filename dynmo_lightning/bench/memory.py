@@ -368,6 +368,21 @@ def _needing_grad(x: list[Any] | None) -> list[Tensor]:
     return [t for t in (x or []) if isinstance(t, Tensor) and t.requires_grad]
 
 
+def _language_model(
+    n_layers: int, layer: Callable[[int], nn.Module], microbatch: int, seq: int, autocast: bool
+) -> Stack:
+    """A causal LM's :class:`Stack`: token ids in (their own targets), cross-entropy over the vocabulary out."""
+
+    def batch() -> tuple[tuple[Tensor, ...], Tensor]:
+        ids = torch.zeros(microbatch, seq, dtype=torch.long)
+        return (ids,), ids
+
+    def loss(logits: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+    return Stack(n_layers, layer, batch, loss, autocast)
+
+
 def gpt_stack(
     n_layer: int, n_embd: int, n_head: int, seq: int, vocab: int, microbatch: int = 1, autocast: bool = False
 ) -> Stack:
@@ -381,14 +396,7 @@ def gpt_stack(
             return Head(n_embd, vocab, True)
         return Block(n_embd, n_head, 4 * n_embd, 0.0, True)
 
-    def batch() -> tuple[tuple[Tensor, ...], Tensor]:
-        ids = torch.zeros(microbatch, seq, dtype=torch.long)
-        return (ids,), ids
-
-    def loss(logits: Tensor, target: Tensor) -> Tensor:
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
-
-    return Stack(n_layer + 2, layer, batch, loss, autocast)
+    return _language_model(n_layer + 2, layer, microbatch, seq, autocast)
 
 
 def llama_stack(
@@ -425,14 +433,7 @@ def llama_stack(
             return hf_layers.Head(model.model.norm, model.lm_head)
         return hf_layers.DecoderLayer(model.model.layers[0], family, model.model.rotary_emb, "sdpa")
 
-    def batch() -> tuple[tuple[Tensor, ...], Tensor]:
-        ids = torch.zeros(microbatch, seq, dtype=torch.long)
-        return (ids,), ids
-
-    def loss(logits: Tensor, target: Tensor) -> Tensor:
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
-
-    return Stack(n_layer + 2, layer, batch, loss, autocast)
+    return _language_model(n_layer + 2, layer, microbatch, seq, autocast)
 
 
 #: The models of the committed table (bf16-mixed, AdamW, micro-batches of one sequence).

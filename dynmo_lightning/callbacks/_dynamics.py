@@ -101,7 +101,8 @@ class RoutedDynamics(Callback):
     """Base of the dynamics whose layers route tokens or attention (early exit, MoD, MoE, sparse attention).
 
     As Lightning's ``BaseFinetuning``: the hooks are here, a subclass overrides a few methods. In ``setup`` the model
-    is asked to build its ``part`` modules (with :meth:`model_options`); before every training step
+    is asked to build its ``part`` modules (with :meth:`model_options`: the class's :attr:`options`, each the value of
+    a settings field, and its :attr:`fixed_options`); before every training step
     :meth:`before_step` may set their values; every ``log_every_n_steps`` steps :meth:`layer_stats` reads each local
     part's statistics, which are merged over the processes (:func:`gather`) and turned into metrics by
     :meth:`layer_metrics` and :meth:`model_metrics`, logged as ``<name>/layer{i}/<metric>`` and ``<name>/<metric>``.
@@ -118,6 +119,10 @@ class RoutedDynamics(Callback):
     name: ClassVar[str]
     part: ClassVar[type[nn.Module]]
     settings_class: ClassVar[type[RoutedSettings]]
+    #: The model's ``configure_dynamics`` options that build ``part``, each with the settings field it takes.
+    options: ClassVar[dict[str, str]] = {}
+    #: Options of a fixed value (``{"attention": "sparse"}``).
+    fixed_options: ClassVar[dict[str, Any]] = {}
 
     def __init_subclass__(cls, *, name: str, part: type[nn.Module], settings: type[RoutedSettings], **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -135,7 +140,7 @@ class RoutedDynamics(Callback):
 
     def model_options(self) -> dict[str, Any]:
         """The model's ``configure_dynamics`` options that build ``part`` (its constructor arguments)."""
-        return {}
+        return self.fixed_options | {option: getattr(self.settings, field) for option, field in self.options.items()}
 
     def parts(self, pl_module: pl.LightningModule) -> list[tuple[int, nn.Module]]:
         """``(layer index, part)`` of every ``part`` module this process holds."""

@@ -13,7 +13,7 @@ since the last log) and ``early_exit/active_frac`` (share still active after the
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from typing_extensions import override
@@ -59,14 +59,11 @@ class TokenEarlyExit(RoutedDynamics, name="early_exit", part=ExitGate, settings=
     """Token early exit by hidden-state saturation; set by :class:`EarlyExitSettings` (its fields, or one object)."""
 
     settings: EarlyExitSettings
+    fixed_options: ClassVar[dict[str, Any]] = {"early_exit": True}
 
     @configured_by(EarlyExitSettings)
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-
-    @override
-    def model_options(self) -> dict[str, Any]:
-        return {"early_exit": True}
 
     def threshold_at(self, step: int) -> float:
         """λ after ``step`` optimizer steps (above 1: exits off)."""

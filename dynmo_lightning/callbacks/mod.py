@@ -10,7 +10,7 @@ static. Logged every ``log_every_n_steps``: ``mod/layer{b}/routed_frac`` and ``m
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from typing_extensions import override
@@ -50,15 +50,12 @@ class MixtureOfDepths(RoutedDynamics, name="mod", part=DepthRouter, settings=MoD
     """Mixture of Depths with a capacity schedule; set by :class:`MoDSettings` (its fields as keywords, or one)."""
 
     settings: MoDSettings
+    options: ClassVar[dict[str, str]] = {"mod_every": "every", "mod_capacity": "start_capacity"}
 
     @configured_by(MoDSettings)
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._routing: bool | None = None
-
-    @override
-    def model_options(self) -> dict[str, Any]:
-        return {"mod_every": self.settings.every, "mod_capacity": self.settings.start_capacity}
 
     def capacity_at(self, step: int) -> float:
         """Capacity after ``step`` optimizer steps."""

@@ -11,7 +11,7 @@ gradients. Logged every ``log_every_n_steps`` per MoE layer: ``moe/layer{i}/drop
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from typing_extensions import override
 
@@ -52,22 +52,18 @@ class MixtureOfExperts(RoutedDynamics, name="moe", part=MoEMLP, settings=MoESett
     """Mixture-of-Experts MLPs; set by :class:`MoESettings` (its fields as keywords, or one object)."""
 
     settings: MoESettings
+    options: ClassVar[dict[str, str]] = {
+        "n_experts": "n_experts",
+        "moe_every": "every",
+        "moe_top_k": "top_k",
+        "moe_capacity_factor": "capacity_factor",
+        "moe_aux_coef": "aux_loss_coef",
+        "moe_z_coef": "z_loss_coef",
+    }
 
     @configured_by(MoESettings)
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-
-    @override
-    def model_options(self) -> dict[str, Any]:
-        s = self.settings
-        return {
-            "n_experts": s.n_experts,
-            "moe_every": s.every,
-            "moe_top_k": s.top_k,
-            "moe_capacity_factor": s.capacity_factor,
-            "moe_aux_coef": s.aux_loss_coef,
-            "moe_z_coef": s.z_loss_coef,
-        }
 
     @override
     def layer_stats(self, local: list[tuple[int, MoEMLP]]) -> dict[int, tuple[list[int], float]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from typing_extensions import override
 
@@ -45,20 +45,16 @@ class DynamicSparseAttention(
     """Dynamic block-sparse attention; set by :class:`SparseAttentionSettings` (its fields, or one object)."""
 
     settings: SparseAttentionSettings
+    options: ClassVar[dict[str, str]] = {
+        "attn_block": "attn_block",
+        "attn_density": "density",
+        "attn_target_coverage": "target_coverage",
+    }
+    fixed_options: ClassVar[dict[str, Any]] = {"attention": "sparse"}
 
     @configured_by(SparseAttentionSettings)
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-
-    @override
-    def model_options(self) -> dict[str, Any]:
-        s = self.settings
-        return {
-            "attention": "sparse",
-            "attn_block": s.attn_block,
-            "attn_density": s.density,
-            "attn_target_coverage": s.target_coverage,
-        }
 
     @override
     def layer_stats(self, local: list[tuple[int, SparseCausalSelfAttention]]) -> dict[int, tuple[float, float]]:

@@ -38,6 +38,15 @@ class StdlibCharDataModule(L.LightningDataModule):
 
     """
 
+    block_size: int
+    batch_size: int
+    max_bytes: int
+    val_fraction: float
+    num_workers: int
+    max_val_batches: int | None
+    seed: int
+    root: str | os.PathLike[str] | None
+
     def __init__(
         self,
         block_size: int = 64,
@@ -60,15 +69,10 @@ class StdlibCharDataModule(L.LightningDataModule):
             raise ValueError(f"num_workers={num_workers} must be 0 (load in the main process) or more.")
         if max_val_batches is not None and max_val_batches < 1:
             raise ValueError(f"max_val_batches={max_val_batches} must be at least 1, or None for the whole split.")
-        self.block_size = block_size
-        self.batch_size = batch_size
-        self.max_bytes = max_bytes
-        self.val_fraction = val_fraction
-        self.num_workers = num_workers
-        self.max_val_batches = max_val_batches
-        self.seed = seed
-        self.root = root
         self.save_hyperparameters()
+        # Every argument is also an attribute (``dm.batch_size``, where Lightning's batch-size finder looks first).
+        for name, value in self.hparams.items():
+            setattr(self, name, value)
         # Fail at construction rather than minutes later in setup() on every rank.
         self._check_corpus_size(max_bytes)
         self.train_dataset: CharWindowDataset | None = None

@@ -306,6 +306,34 @@ def _leaving_params(slots: LayerSlots, leaving: set[int]) -> list[nn.Parameter]:
     return [p for i in sorted(leaving) for p in slots.get(i).parameters() if id(p) not in staying]
 
 
+def _two_phase(
+    what: str,
+    group: dist.ProcessGroup | None,
+    transfer: Callable[[], dict[int, tuple[nn.Module, dict]]],
+    slots: LayerSlots,
+    optimizers: Sequence[Optimizer],
+    release: Callable[[], None] = lambda: None,
+) -> None:
+    """Run this process's transfers, agree over ``group`` that all succeeded, and only then commit.
+
+    Committing is ``release`` (what leaves this process) and installing what arrived, in layer order.
+
+    Raises:
+        RuntimeError: a transfer failed here or on another process; nothing was committed anywhere.
+    """
+    received, error = {}, None
+    try:
+        received = transfer()
+    except Exception as e:
+        error = e
+    if not transport.all_agree(error is None, group):
+        raise RuntimeError(
+            f"{what} failed on {'this process' if error is not None else 'another process'}; nothing was changed"
+        ) from error
+    release()
+    _install(slots, received, optimizers)
+
+
 def migrate(
     slots: LayerSlots,
     optimizers: Sequence[Optimizer],
@@ -343,22 +371,21 @@ def migrate(
     for p in outgoing:
         p.grad = None  # dead (see the module docstring): not held while the layers travel
     pairs = [(pipe.global_rank(m.src), pipe.global_rank(m.dst), m.layers) for m in moves]
-    received, error = {}, None
-    try:
-        received = _transfer(slots, optimizers, pairs, pipe.global_rank(pipe.rank), pipe, stats, clock, sharding)
-    except Exception as e:
-        error = e
-    # Phase two: commit only if every process holds what it must.
-    if not transport.all_agree(error is None, pipe.control):
-        raise RuntimeError(
-            f"layer migration {list(old.layers_per_stage)} -> {list(new.layers_per_stage)} failed on "
-            f"{'this process' if error is not None else 'another process'}; nothing was changed"
-        ) from error
-    # A parameter shared with a layer that stays (a tie) stays in the optimizer; the moving layer takes a copy.
-    drop_params(outgoing, optimizers)
-    for i in sorted(leaving):
-        slots.remove(i)
-    _install(slots, received, optimizers)
+
+    def release() -> None:
+        # A parameter shared with a layer that stays (a tie) stays in the optimizer; the moving layer takes a copy.
+        drop_params(outgoing, optimizers)
+        for i in sorted(leaving):
+            slots.remove(i)
+
+    _two_phase(
+        f"layer migration {list(old.layers_per_stage)} -> {list(new.layers_per_stage)}",
+        pipe.control,
+        lambda: _transfer(slots, optimizers, pairs, pipe.global_rank(pipe.rank), pipe, stats, clock, sharding),
+        slots,
+        optimizers,
+        release,
+    )
     stats.seconds = clock.elapsed(start, clock.now())
     return stats
 
@@ -396,17 +423,8 @@ def replicate(
             f"({slots.local_indices() if receiving else 'on another process'}); nothing was changed"
         )
     mine = [(src, dst, slots.local_indices() if me == src else ()) for src, dst in copies if me in (src, dst)]
-    received, error = {}, None
-    try:
-        received = _transfer(slots, optimizers, mine, me, pipe, stats, clock)
-    except Exception as e:
-        error = e
-    if not transport.all_agree(error is None, job):
-        raise RuntimeError(
-            f"copying layers to new replicas {list(copies)} failed on "
-            f"{'this process' if error is not None else 'another process'}; nothing was changed"
-        ) from error
-    _install(slots, received, optimizers)
+    transfer = lambda: _transfer(slots, optimizers, mine, me, pipe, stats, clock)  # noqa: E731
+    _two_phase(f"copying layers to new replicas {list(copies)}", job, transfer, slots, optimizers)
     stats.seconds = clock.elapsed(start, clock.now())
     return stats
 

@@ -10,14 +10,10 @@ every stage, and stays the plugin's own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
-from torch import Tensor
-from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -48,107 +44,46 @@ class PipelinePrecision(Precision):
         else:
             self.clip_by_norm(optimizer, float(clip_val))
 
-    @override
-    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self.inner.clip_grad_by_value(optimizer, clip_val)
 
-    # Everything else is the wrapped plugin's.
-    @override
-    def connect(self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
-        return self.inner.connect(model, optimizers, lr_schedulers)
+#: The hooks of Lightning's ``Precision`` that are the wrapped plugin's own, called with the same arguments. Not among
+#: them: ``clip_grad_by_norm`` (above) and ``clip_gradients``, whose base implementation calls this class's clipping.
+#: ``optimizer_step`` is: the plugin's closure wrapper calls the LightningModule's clipping hook, which lands in
+#: ``clip_gradients`` of the Trainer's precision plugin, this one.
+DELEGATED = (
+    "clip_grad_by_value",
+    "connect",
+    "convert_module",
+    "tensor_init_context",
+    "module_init_context",
+    "forward_context",
+    "convert_input",
+    "convert_output",
+    "pre_backward",
+    "backward",
+    "post_backward",
+    "optimizer_step",
+    "main_params",
+    "unscale_gradients",
+    "train_step_context",
+    "val_step_context",
+    "test_step_context",
+    "predict_step_context",
+    "state_dict",
+    "load_state_dict",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "teardown",
+)
 
-    @override
-    def convert_module(self, module: Module) -> Module:
-        return self.inner.convert_module(module)
 
-    @override
-    def tensor_init_context(self) -> AbstractContextManager:
-        return self.inner.tensor_init_context()
+def _delegate(name: str) -> Callable[..., Any]:
+    def hook(self: PipelinePrecision, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner, name)(*args, **kwargs)
 
-    @override
-    def module_init_context(self) -> AbstractContextManager:
-        return self.inner.module_init_context()
+    hook.__name__, hook.__qualname__ = name, f"PipelinePrecision.{name}"
+    hook.__doc__ = f"The wrapped plugin's ``{name}``."
+    return hook
 
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        return self.inner.forward_context()
 
-    @override
-    def convert_input(self, data: Any) -> Any:
-        return self.inner.convert_input(data)
-
-    @override
-    def convert_output(self, data: Any) -> Any:
-        return self.inner.convert_output(data)
-
-    @override
-    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
-        return self.inner.pre_backward(tensor, module)
-
-    @override
-    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        self.inner.backward(tensor, model, optimizer, *args, **kwargs)
-
-    @override
-    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
-        return self.inner.post_backward(tensor, module)
-
-    @override
-    def optimizer_step(
-        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
-        # The plugin's closure wrapper calls the LightningModule's clipping hook, which lands in `clip_gradients`
-        # of the Trainer's precision plugin: this one.
-        return self.inner.optimizer_step(optimizer, model, closure, **kwargs)
-
-    @override
-    def main_params(self, optimizer: Optimizer) -> Any:
-        return self.inner.main_params(optimizer)
-
-    @override
-    def unscale_gradients(self, optimizer: Optimizer) -> None:
-        self.inner.unscale_gradients(optimizer)
-
-    @override
-    @contextmanager
-    def train_step_context(self) -> Generator[None, None, None]:
-        with self.inner.train_step_context():
-            yield
-
-    @override
-    @contextmanager
-    def val_step_context(self) -> Generator[None, None, None]:
-        with self.inner.val_step_context():
-            yield
-
-    @override
-    @contextmanager
-    def test_step_context(self) -> Generator[None, None, None]:
-        with self.inner.test_step_context():
-            yield
-
-    @override
-    @contextmanager
-    def predict_step_context(self) -> Generator[None, None, None]:
-        with self.inner.predict_step_context():
-            yield
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state_dict)
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.inner.on_save_checkpoint(checkpoint)
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.inner.on_load_checkpoint(checkpoint)
-
-    @override
-    def teardown(self) -> None:
-        self.inner.teardown()
+for _name in DELEGATED:
+    setattr(PipelinePrecision, _name, _delegate(_name))

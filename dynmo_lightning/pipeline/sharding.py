@@ -23,6 +23,7 @@ arrival. Stage modules are rebuilt with every schedule; each becomes the FSDP ro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -76,13 +77,14 @@ def _plain_class(cls: type) -> type:
     return next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
 
 
+@dataclasses.dataclass
 class StageSharding:
     """How this process's stages share their layers with their replicas (see the module docstring).
 
     Args:
         mode: a key of :data:`MODES`.
-        mesh: returns the 1-D ``DeviceMesh`` of this process's replica group (``None``: one replica under
-            ``"ddp"``); called again after the world changes.
+        replica_mesh: returns the 1-D ``DeviceMesh`` of this process's replica group (``None``: one replica under
+            ``"ddp"``); called again after the world changes (:meth:`mesh`).
         device: where this process's layers live.
         param_dtype: the dtype layers compute in under ``bf16-mixed`` (FSDP2's ``MixedPrecisionPolicy``: the
             sharded parameters and the gradient reduction stay in float32); ``None``: the parameters' own.
@@ -90,21 +92,15 @@ class StageSharding:
             they become units: FSDP2 then shards every process's part over the replicas (2-D parameters).
     """
 
-    def __init__(
-        self,
-        mode: str,
-        mesh: Callable[[], Any],
-        device: torch.device,
-        param_dtype: torch.dtype | None = None,
-        tensor_parallel: TensorParallel | None = None,
-    ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"strategy.data_parallel={mode!r} is not one of {list(MODES)}")
-        self.mode = mode
-        self._mesh = mesh
-        self.device = device
-        self.param_dtype = param_dtype
-        self.tensor_parallel = tensor_parallel
+    mode: str
+    replica_mesh: Callable[[], Any]
+    device: torch.device
+    param_dtype: torch.dtype | None = None
+    tensor_parallel: TensorParallel | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"strategy.data_parallel={self.mode!r} is not one of {list(MODES)}")
 
     @classmethod
     def of(
@@ -131,7 +127,7 @@ class StageSharding:
 
     def mesh(self) -> Any:
         """This process's replica mesh (1-D)."""
-        return self._mesh()
+        return self.replica_mesh()
 
     def mesh_of(self, dims: tuple[str, ...]) -> Any:
         """This process's mesh of the dimensions ``dims`` a DTensor that arrived was laid out on.

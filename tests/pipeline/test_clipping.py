@@ -106,3 +106,33 @@ def test_clipping_keeps_every_tensor_on_the_gradients_device(monkeypatch):
         clip = GlobalNormClipping(list(params), lambda: ids, lambda: _pipe("cuda"))
         clip(torch.optim.SGD(params.values(), lr=0.1), 0.5)
         assert all(p.grad.device.type == "cuda" for p in params.values())
+
+
+def test_the_precision_wrapper_hands_every_hook_to_the_trainers_plugin_but_clipping_by_norm():
+    # A hook Lightning adds to Precision must be seen here: delegated, or kept on purpose (clip_gradients, whose
+    # base implementation calls this class's clip_grad_by_norm).
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    from dynmo_lightning.pipeline.precision import DELEGATED, PipelinePrecision
+
+    hooks = {n for k in Precision.__mro__[:-1] for n, v in vars(k).items() if callable(v) and not n.startswith("_")}
+    assert hooks - set(DELEGATED) - set(vars(PipelinePrecision)) == {"clip_gradients"}
+    inner = MixedPrecision("bf16-mixed", "cpu")
+    plugin = PipelinePrecision(inner)
+    calls = []
+    inner.state_dict = lambda: calls.append("state_dict") or {"scaler": 1}
+    assert plugin.state_dict() == {"scaler": 1} and calls == ["state_dict"]
+    with plugin.forward_context():  # the inner plugin's autocast
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+    with plugin.train_step_context():
+        assert torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+    clipped = []
+    plugin.clip_by_norm = lambda optimizer, value: clipped.append(value)
+    parameter = nn.Parameter(torch.ones(3))
+    parameter.grad = torch.full((3,), 10.0)
+    optimizer = torch.optim.SGD([parameter], lr=0.1)
+    plugin.clip_gradients(optimizer, clip_val=2, gradient_clip_algorithm="norm")
+    assert clipped == [2.0]
+    plugin.clip_gradients(optimizer, clip_val=0.5, gradient_clip_algorithm="value")
+    assert parameter.grad.tolist() == [0.5, 0.5, 0.5]
