@@ -22,6 +22,7 @@ it exceeds the final placement by up to the outgoing layers' parameters and opti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import pickle
 from collections.abc import Callable, Sequence
@@ -381,7 +382,9 @@ def migrate(
     _two_phase(
         f"layer migration {list(old.layers_per_stage)} -> {list(new.layers_per_stage)}",
         pipe.control,
-        lambda: _transfer(slots, optimizers, pairs, pipe.global_rank(pipe.rank), pipe, stats, clock, sharding),
+        functools.partial(
+            _transfer, slots, optimizers, pairs, pipe.global_rank(pipe.rank), pipe, stats, clock, sharding
+        ),
         slots,
         optimizers,
         release,
@@ -423,7 +426,7 @@ def replicate(
             f"({slots.local_indices() if receiving else 'on another process'}); nothing was changed"
         )
     mine = [(src, dst, slots.local_indices() if me == src else ()) for src, dst in copies if me in (src, dst)]
-    transfer = lambda: _transfer(slots, optimizers, mine, me, pipe, stats, clock)  # noqa: E731
+    transfer = functools.partial(_transfer, slots, optimizers, mine, me, pipe, stats, clock)
     _two_phase(f"copying layers to new replicas {list(copies)}", job, transfer, slots, optimizers)
     stats.seconds = clock.elapsed(start, clock.now())
     return stats
