@@ -330,6 +330,7 @@ def test_the_host_use_check_sees_reads_and_writes():
     reads, writes = _host_uses(ast.parse("host.a = host.b + self._host.c\nhost.d.e = 1"))
     assert (reads, writes) == ({"b", "c", "d"}, ["a"])
 
+
 #: balance/'s parts, lowest first: each sub-package imports only those before it (and itself).
 BALANCE_PARTS = ("split", "diffusion", "partitioning", "steptime", "decision")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import lightning.pytorch as L
@@ -70,9 +71,10 @@ class StdlibCharDataModule(L.LightningDataModule):
         if max_val_batches is not None and max_val_batches < 1:
             raise ValueError(f"max_val_batches={max_val_batches} must be at least 1, or None for the whole split.")
         self.save_hyperparameters()
-        # Every argument is also an attribute (``dm.batch_size``, where Lightning's batch-size finder looks first).
-        for name, value in self.hparams.items():
-            setattr(self, name, value)
+        # This class's arguments are also attributes (``dm.batch_size``, where Lightning's batch-size finder looks
+        # first); a subclass's own arguments, which ``hparams`` holds too, stay the subclass's to set.
+        for name in _ARGUMENTS:
+            setattr(self, name, self.hparams[name])
         # Fail at construction rather than minutes later in setup() on every rank.
         self._check_corpus_size(max_bytes)
         self.train_dataset: CharWindowDataset | None = None
@@ -167,3 +169,7 @@ def _min_corpus_bytes(batch_size: int, block_size: int, val_fraction: float) -> 
     while split_point(n, val_fraction) < per_split or n - split_point(n, val_fraction) < per_split:
         n += 1
     return n
+
+
+#: The arguments of :class:`StdlibCharDataModule` itself (without ``self``).
+_ARGUMENTS = tuple(inspect.signature(StdlibCharDataModule.__init__).parameters)[1:]

@@ -77,7 +77,7 @@ def _plain_class(cls: type) -> type:
     return next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one object per process, compared by identity as before
 class StageSharding:
     """How this process's stages share their layers with their replicas (see the module docstring).
 

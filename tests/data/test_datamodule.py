@@ -177,3 +177,17 @@ def test_trainer_runs_with_the_datamodule(tmp_path: Path) -> None:
     trainer.fit(model, datamodule=dm)
     assert model.shapes == [(4, 16)] * 5  # 3 training steps, then 2 capped validation batches
     assert dm.hparams["block_size"] == 16
+
+
+def test_arguments_are_attributes_and_a_subclass_keeps_its_own() -> None:
+    class WithOwn(StdlibCharDataModule):
+        def __init__(self, extra: int = 3, **kwargs: object) -> None:
+            super().__init__(**kwargs)  # type: ignore[arg-type]
+
+        @property
+        def extra(self) -> str:  # read-only: the base must not assign it
+            return "own"
+
+    dm = WithOwn(extra=5, batch_size=4, block_size=8, seed=3)
+    assert (dm.batch_size, dm.block_size, dm.seed, dm.root, dm.max_val_batches) == (4, 8, 3, None, None)
+    assert dm.extra == "own" and dm.hparams["extra"] == 5
