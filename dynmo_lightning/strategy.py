@@ -259,6 +259,8 @@ class DynMoStrategy(WrappedPlugins):
         if self._shard_data is None:
             self._shard_data = connector.use_distributed_sampler
         connector.use_distributed_sampler = self._shard_data and trainer.state.fn == TrainerFn.PREDICTING
+        # Before the split: layers are built in their final dtype, and as parts where parts are what a process holds.
+        self.precision_plugin.convert_module(module)
         if self._stages is None:
             tp = TensorParallel(module, lambda: self._mesh.tp_mesh) if self.tensor_parallel_size > 1 else None
             self._stages = LocalStages.from_module(
@@ -266,13 +268,12 @@ class DynMoStrategy(WrappedPlugins):
                 schedule=self.schedule, n_microbatches=self.n_microbatches, device=self.root_device,
                 timeout=self._timeout, recompute=checkpoint_policy(self.activation_checkpointing),
                 sharding=StageSharding.of(self.data_parallel, lambda: self._mesh.replica_mesh, self.root_device,
-                                          self.precision_plugin.inner, tp),
+                                          self.precision_plugin.inner, tp, self.settings.fsdp_memory),
                 compile_options=self.settings.compile,
             )  # fmt: skip
             self.partitions = [{"step": 0, "layers_per_stage": self.layers_per_stage}]
-        self.precision_plugin.convert_module(module)
         self.model_to_device()
-        self._stages.shard()  # FSDP2 / replicate units, before the optimizers see the parameters
+        self._stages.shard()  # compiled layers; units (built as such) checked, before the optimizers see them
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             with self._phase("set-up (tied parameters' optimizer settings)"):

@@ -1,6 +1,7 @@
 """The prepared GPU check runs end to end on CPU (the same code path it takes on a GPU) where Hydra is not installed,
 as on the GPU machine; its per-dynamic path runs twice in one process; a synchronisation's site names our line;
-after a section raises on a GPU, every later one runs in a process of its own."""
+after a section raises on a GPU, every later one runs in a process of its own; a section that cannot run is null,
+not ok; its two parts (one call each on a device lent for minutes) split the sections between them."""
 
 from __future__ import annotations
 
@@ -83,7 +84,10 @@ def test_gpu_check_on_cpu_without_hydra(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     summary = json.loads(out.read_text())
     s = summary["sections"]
-    assert summary["ok"] and summary["device"] == "cpu" and "dynamics.early_exit" in s
+    assert summary["ok"] and summary["device"] == "cpu" and "dynamics.early_exit" in s and not summary["pending"]
+    # compiled layers compile for minutes on CPU: not run, null, not counted
+    assert summary["skipped_sections"] == ["compile", "compile_fsdp"] and s["compile"]["ok"] is None
+    assert summary["ran"] == len(s) - 2 and all(s[name]["ok"] for name in s if name not in ("compile", "compile_fsdp"))
     assert s["refuses_16_mixed"]["refused"] and "bf16-mixed" in s["refuses_16_mixed"]["message"]
     assert s["device_vs_cpu"]["max_rel_diff"] == 0.0  # CPU against CPU: the same numbers
     assert s["device_vs_cpu"]["clipping_changed_losses"]  # gradient_clip_val set: the one-collective clipping ran
@@ -99,6 +103,15 @@ def test_gpu_check_on_cpu_without_hydra(tmp_path):
         assert len(entry["host_syncs_per_step"]) == 3 and entry["cuda_syncs_per_step"] == [0, 0, 0]
     assert s["profile"]["layers"] == 6 and s["profile"]["layers_s"] > 0  # embedding, 4 blocks, head
     assert s["migration"]["fused"]["identical"] and s["migration"]["foreach"]["state_arrived"]
+    for kind in ("foreach", "fused"):  # an FSDP2 unit packed, adopted on a one-process gloo mesh, stepped again
+        adopted = s["fsdp_migration"][kind]
+        assert adopted["identical"] and adopted["unit"] and adopted["sharded_gradients"]
+        assert adopted["same_forward"] and adopted["max_abs_diff"] == 0
+    resumed = s["checkpoint_fsdp"]  # DCP of DTensors
+    assert resumed["sharded"] and resumed["resumed_parameters"]["dtensor_parameters"] and resumed["max_rel_diff"] == 0
+    for run in ("ddp.fp32", "ddp.bf16", "fsdp.fp32", "fsdp.bf16"):  # predicted from the run's own profile
+        (stage,) = s["memory"][run]["stages"]
+        assert stage["predicted_peak_bytes"] > 0 and stage["max_memory_allocated"] is None  # no allocator stats on CPU
     assert s["hf_pruning"]["pruned"] and s["checkpoint"]["sharded"] and s["checkpoint"]["max_rel_diff"] == 0.0
     assert s["layer_costs"]["table"]["block"]["trainable"]["fwd"] > 0
     assert s["fsdp"]["dtensor_parameters"] and s["fsdp"]["fp32_shards"]  # FSDP2's bf16 mixed precision, a mesh of one
@@ -222,3 +235,44 @@ def test_an_isolated_section_runs_in_a_fresh_process_and_reports_as_in_this_one(
     assert entry["isolated"] and entry["ok"] and entry["fused"]["identical"], entry
     failed = gpu_check.run_isolated("migration", ["--device", "cpu", "--no-such-option"])
     assert not failed["ok"] and failed["error"]["type"] == "ChildProcessError" and "--no-such-option" in str(failed)
+
+
+def test_a_section_that_cannot_run_is_null_and_does_not_count_as_ok(monkeypatch, tmp_path):
+    gpu_check = _gpu_check(monkeypatch)
+    monkeypatch.setattr(gpu_check.Device, "cuda", property(lambda self: True))  # one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu_check.Device, "describe", lambda self: {"device": "cuda"})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    check = gpu_check.Check(gpu_check.Device("cuda"), steps=3, quick=True)
+    two_gpus = ("fsdp_two_gpus", "tensor_parallel_two_gpus", "pipeline_p2")
+    chosen = {"passes": lambda check: {"ok": True}, **{name: gpu_check.SECTIONS[name] for name in two_gpus}}
+    summary = gpu_check.check_all(check, chosen, tmp_path / "out.json", [])
+    s = summary["sections"]
+    assert all(s[name]["ok"] is None and "two GPUs" in s[name]["skipped"] for name in two_gpus)
+    assert summary["ok"] is True and (summary["ran"], summary["skipped"]) == (1, 3)
+    assert summary["skipped_sections"] == list(two_gpus) and summary["pending"] == []
+    # a skipped section does not make a failure pass, and a check where nothing ran has no verdict
+    chosen = {"fails": lambda check: {"ok": False}, "fsdp_two_gpus": gpu_check.SECTIONS["fsdp_two_gpus"]}
+    assert gpu_check.check_all(check, chosen, tmp_path / "out.json", [])["ok"] is False
+    nothing = gpu_check.check_all(check, {"fsdp_two_gpus": gpu_check.fsdp_two_gpus}, tmp_path / "out.json", [])
+    assert nothing["ok"] is None and nothing["ran"] == 0
+    # on CPU the compiled sections run only when asked (they compile for minutes)
+    cpu = gpu_check.Check(gpu_check.Device("cpu"), steps=3, quick=True)
+    assert gpu_check.compiled(cpu)["ok"] is None and gpu_check.compiled_fsdp(cpu)["ok"] is None
+
+
+def test_the_two_parts_split_the_sections_and_each_fits_a_five_minute_call(monkeypatch):
+    gpu_check = _gpu_check(monkeypatch)
+    dynamics = ["none", *gpu_check.PRESETS]
+    everything = gpu_check.sections(dynamics)
+    parts = {n: gpu_check.sections(dynamics, n) for n in gpu_check.PARTS}
+    assert sorted(parts) == [1, 2]
+    for name in everything:  # every section in exactly one part
+        assert [n for n, part in parts.items() if name in part] in ([1], [2]), name
+    assert list(everything) == [*parts[1], *parts[2]]  # without --part: both, in their order
+    assert set(gpu_check.SECTIONS) | {"dynamics"} == {n for names in gpu_check.PARTS.values() for n in names}
+    assert set(gpu_check.ESTIMATED_SECONDS) == set(gpu_check.SECTIONS) | {"dynamics"}
+    for part in parts.values():  # estimated on one H100/H200, and with two GPUs (its two-process sections run)
+        assert gpu_check.estimated_seconds(list(part)) <= 240
+        assert gpu_check.estimated_seconds(list(part), gpus=2) <= 270

@@ -1,4 +1,4 @@
-"""RunSummary: the ``summary.json`` of a training run (losses, throughput, world size, partitions, parameter norm)."""
+"""RunSummary: the ``summary.json`` of a training run (losses, throughput, world size, partitions, norms)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from typing_extensions import override
 from dynmo_lightning.core.control import pipeline_control
 from dynmo_lightning.core.host_values import DeviceScalars
 from dynmo_lightning.pipeline.compiled import graphs
+from dynmo_lightning.pipeline.precision import PipelinePrecision
+from dynmo_lightning.pipeline.reduce import GlobalNormClipping
 from dynmo_lightning.recompute import recomputations
 
 
@@ -32,7 +34,9 @@ class RunSummary(Callback):
     compiled on global rank 0 during each step: the first compilations, then recompilations), ``layers_changed``
     (the steps that began after a dynamic changed layers: where a recompilation is expected),
     ``recomputations_per_step`` (forwards global rank 0 recomputed for backward in each step under activation
-    checkpointing: one per checkpointed layer and micro-batch, under the zero-bubble schedules too).
+    checkpointing: one per checkpointed layer and micro-batch, under the zero-bubble schedules too), ``grad_norms``
+    (the global gradient norm before clipping, one per optimizer step that clipped by norm under ``DynMoStrategy``:
+    what ``torch.nn.utils.clip_grad_norm_`` returns for the unsplit model; empty without clipping by norm).
 
     Args:
         run_dir: directory of the run.
@@ -42,6 +46,8 @@ class RunSummary(Callback):
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
         self._losses = DeviceScalars()
+        self._grad_norms = DeviceScalars()
+        self._last_norm: torch.Tensor | None = None
         self.tokens = 0
         self._train_time = 0.0
         self._t0: float | None = None
@@ -71,6 +77,7 @@ class RunSummary(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._losses.append(outputs["loss"] if isinstance(outputs, dict) else outputs)  # no read in the step
+        self._record_grad_norm(trainer)
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
         # Data-parallel replicas each consume their own batch; pipeline stages of one replica share one.
         replicas = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)
@@ -83,10 +90,26 @@ class RunSummary(Callback):
         if self.world_sizes and {**self.world_sizes[-1], "step": now["step"]} != now:
             self.world_sizes.append(now)
 
+    def _record_grad_norm(self, trainer: pl.Trainer) -> None:
+        """Keep (on the device) the pre-clip global gradient norm of this step, if the pipeline clipped by norm."""
+        plugin = trainer.precision_plugin
+        if not isinstance(plugin, PipelinePrecision) or not isinstance(plugin.clip_by_norm, GlobalNormClipping):
+            return
+        norm = plugin.clip_by_norm.last_norm
+        # A new tensor per clipping call: the same one again means no optimizer step clipped since the last batch.
+        if norm is not None and norm is not self._last_norm:
+            self._grad_norms.append(norm)
+            self._last_norm = norm
+
     @property
     def losses(self) -> list[float]:
         """The training loss of every optimizer step so far."""
         return self._losses.values
+
+    @property
+    def grad_norms(self) -> list[float]:
+        """The global gradient norm before clipping of every optimizer step so far that clipped by norm."""
+        return self._grad_norms.values
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -128,6 +151,7 @@ class RunSummary(Callback):
             "compiled_graphs_per_step": self.compiled,
             "layers_changed": self.changed,
             "recomputations_per_step": self.recomputed,
+            "grad_norms": self.grad_norms,
         }
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:

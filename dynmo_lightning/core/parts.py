@@ -1,6 +1,8 @@
-"""Tensors held in parts (FSDP2 shards, tensor-parallel splits): a process's part, and how many parts there are."""
+"""Tensors held in parts (FSDP2 shards, tensor-parallel splits): a process's part, how many, FSDP2's groups."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -29,3 +31,18 @@ def held_parts(t: Tensor) -> int:
             if placement.is_shard() or isinstance(placement, _StridedShard):  # a _StridedShard is no Shard
                 parts *= t.device_mesh.size(dim)
     return parts
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """The parameter groups of an FSDP2 / replicate unit's state (``fully_shard.state(module)``), on any torch.
+
+    torch 2.11 (the GPU image's) and earlier keep one group as ``state._fsdp_param_group`` (``None``: the unit
+    holds no parameter of its own); torch 2.13 keeps a list, ``state._fsdp_param_groups``, and turns the singular
+    one into a property that raises for a unit of several groups. Neither is public API: this is the one place the
+    package reads them.
+    """
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []

@@ -15,6 +15,7 @@ order stands; its weight tasks are empty for them).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -24,17 +25,23 @@ from torch import nn
 COMPILED = "_dynmo_compiled"
 
 
+#: ``torch.compile`` modes that capture CUDA graphs (``torch._inductor.list_mode_options``, torch 2.9 to 2.13), and
+#: the mode to use instead.
+_CUDAGRAPH_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
 def check_options(value: Any) -> dict[str, Any] | None:
     """``DynMoStrategy(compile=...)`` as ``torch.compile``'s keyword arguments (``None``: eager).
 
     Raises:
-        ValueError: neither a bool nor a dict of ``torch.compile``'s options.
+        ValueError: neither a bool nor a dict of ``torch.compile``'s options, or options that turn on CUDA graphs
+            (:func:`_cudagraphs`).
     """
     if value is None or value is False:
         return None
     if value is True:
-        return {}
-    if isinstance(value, dict) or hasattr(value, "items"):
+        options: dict[str, Any] = {}
+    elif isinstance(value, dict) or hasattr(value, "items"):
         options = dict(value)
         allowed = {"fullgraph", "dynamic", "backend", "mode", "options", "disable"}
         unknown = sorted(set(options) - allowed)
@@ -42,8 +49,36 @@ def check_options(value: Any) -> dict[str, Any] | None:
             raise ValueError(
                 f"strategy.compile has unknown torch.compile options {unknown}; allowed: {sorted(allowed)}"
             )
-        return options
-    raise ValueError(f"strategy.compile={value!r} must be false, true or a dict of torch.compile options")
+    else:
+        raise ValueError(f"strategy.compile={value!r} must be false, true or a dict of torch.compile options")
+    refused = _cudagraphs(options)
+    if refused is not None:
+        setting, fix = refused
+        raise ValueError(
+            f"strategy.compile {setting} turns on CUDA graphs, which pipeline training does not support (its "
+            f"schedule keeps several micro-batches' outputs alive across replays, FSDP2 frees and re-allocates "
+            f"parameter storage): {fix}"
+        )
+    return options
+
+
+def _cudagraphs(options: dict[str, Any]) -> tuple[str, str] | None:
+    """The setting among ``torch.compile`` ``options`` that turns on CUDA graphs, and its fix; ``None``: none does.
+
+    A mode that captures them, inductor's ``triton.cudagraphs`` option, the ``"cudagraphs"`` backend, or inductor's
+    process-wide switch (``TORCHINDUCTOR_CUDAGRAPHS=1``) where no option turns it off.
+    """
+    mode, inductor, backend = options.get("mode"), options.get("options") or {}, options.get("backend")
+    if mode in _CUDAGRAPH_MODES:
+        return f"mode={mode!r}", f"use mode {_CUDAGRAPH_MODES[mode]!r}"
+    if inductor.get("triton.cudagraphs"):
+        return "options={'triton.cudagraphs': True}", "leave that option out"
+    if backend == "cudagraphs":
+        return "backend='cudagraphs'", "use the default backend ('inductor')"
+    if os.environ.get("TORCHINDUCTOR_CUDAGRAPHS") == "1" and backend in (None, "inductor"):
+        if inductor.get("triton.cudagraphs") is None:
+            return "under TORCHINDUCTOR_CUDAGRAPHS=1", "unset it, or pass options={'triton.cudagraphs': False}"
+    return None
 
 
 def compile_layer(layer: nn.Module, options: dict[str, Any]) -> None:

@@ -143,6 +143,33 @@ def _check_tensor_parallel_replicas(tensor_parallel_size: int, data_parallel_siz
         )
 
 
+#: ``DynMoStrategy(fsdp_memory=...)``: gather and reduce once per step, or per micro-batch.
+FSDP_MEMORY = ("fast", "lean")
+
+
+def check_fsdp_memory(fsdp_memory: Any, data_parallel: str, schedule: str) -> None:
+    """Refuse an unknown ``strategy.fsdp_memory``, and ``"lean"`` where it cannot apply.
+
+    Raises:
+        ValueError: not one of :data:`FSDP_MEMORY`; ``"lean"`` without FSDP2 or with a split backward.
+    """
+    if fsdp_memory not in FSDP_MEMORY:
+        raise ValueError(f"strategy.fsdp_memory={fsdp_memory!r} is not one of {list(FSDP_MEMORY)}")
+    if fsdp_memory == "lean" and data_parallel != "fsdp":
+        raise ValueError(
+            f"strategy.fsdp_memory='lean' shards gradients per micro-batch, which only data_parallel='fsdp' does: "
+            f"set strategy.data_parallel='fsdp', or leave strategy.fsdp_memory='fast' (got "
+            f"data_parallel={data_parallel!r})"
+        )
+    if fsdp_memory == "lean" and schedule in SPLIT_BACKWARD:
+        # the input pass would free the gathered weights its own weight pass still needs
+        raise ValueError(
+            f"strategy.fsdp_memory='lean' with strategy.schedule={schedule!r}: a split backward computes the "
+            "weights' gradients in a later pass, after the per-micro-batch reduction. Use a schedule without a split "
+            "backward ('1f1b', 'gpipe', 'interleaved_1f1b'), or strategy.fsdp_memory='fast'"
+        )
+
+
 def check_split_backward(
     schedule: str, data_parallel_size: int, activation_checkpointing: Any, data_parallel: str = "ddp"
 ) -> None:

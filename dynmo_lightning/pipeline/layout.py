@@ -297,6 +297,8 @@ class Mesh:
         stage_control: a CPU group of every process of this pipeline rank, in every replica and tensor-parallel
             rank (``None`` without tensor parallelism: :attr:`dp_control` is that group then). Host data every
             pipeline must agree on (the layer costs the balancer plans from) is averaged over it.
+        own_group: with one replica, a group of this process alone on its device's backend where it had to be
+            made with the others (:func:`own_group_needs_all`); ``None``: made on first use, if ever.
     """
 
     pipeline: PipelineGroup
@@ -308,6 +310,7 @@ class Mesh:
     replica_group: dist.ProcessGroup | None = None
     tp_group: dist.ProcessGroup | None = None
     stage_control: dist.ProcessGroup | None = None
+    own_group: dist.ProcessGroup | None = None
 
     @functools.cached_property
     def replica_mesh(self) -> Any:
@@ -326,6 +329,20 @@ class Mesh:
         ranks = layout.stage_ranks(pipe.rank, layout.tp_rank(pipe.global_rank(pipe.rank)))
         return DeviceMesh.from_group(self.replica_group, self.device_type, mesh=ranks, mesh_dim_names=("dp",))
 
+    @functools.cached_property
+    def dp_dimension(self) -> dist.ProcessGroup:
+        """The group of :attr:`device_mesh`'s ``"dp"`` dimension: the replicas of this stage.
+
+        With one replica: :attr:`replica_group` where units need one, else :attr:`own_group` where it had to be made
+        with the other processes, else a group of this process alone made on first use, by it alone
+        (:func:`own_group`).
+        """
+        dp = self.dp_group or self.replica_group or self.own_group
+        if dp is None:
+            pipe = self.pipeline
+            dp = own_group(pipe.global_rank(pipe.rank), None, pipe.device.type == "cpu")
+        return dp
+
     @property
     def tp_mesh(self) -> Any:
         """The 1-D ``DeviceMesh`` of :attr:`tp_group` (``"tp"`` of :attr:`device_mesh`), where layers are split."""
@@ -337,17 +354,14 @@ class Mesh:
     def device_mesh(self) -> Any:
         """The ``("dp", "pp")`` ``DeviceMesh`` over the same groups, ``("dp", "pp", "tp")`` under tensor parallelism.
 
-        Made on first use (not collective). With one replica the ``"dp"`` dimension is :attr:`replica_group` where
-        units need one, else a one-process gloo group that only this process creates: nothing in the job uses it,
-        and a one-rank NCCL group would cost a world-wide communicator split per rank.
+        Made on first use (not collective). With one replica the ``"dp"`` dimension is a group of this process alone
+        on its device's backend (:attr:`dp_dimension`): a user's ``fully_shard(mesh=device_mesh["dp"])`` works on
+        it, NCCL on CUDA devices.
         """
         from torch.distributed.device_mesh import DeviceMesh
 
         pipe, layout = self.pipeline, self.layout
-        dp = self.dp_group or self.replica_group
-        if dp is None:
-            own = [pipe.global_rank(pipe.rank)]
-            dp = dist.new_group(own, backend="gloo", use_local_synchronization=True)
+        dp = self.dp_dimension
         pp = pipe.group if pipe.group is not None else _group.WORLD
         if self.tp_group is None:
             return DeviceMesh.from_group([dp, pp], self.device_type, mesh=layout.replicas, mesh_dim_names=("dp", "pp"))
@@ -374,7 +388,8 @@ def make_mesh(
         timeout: timeout of every group.
         device: where this process's layers live.
         unit_groups: FSDP2 / replicate units will work over the replica groups: with one replica, each process
-            gets a group of its own (:attr:`Mesh.replica_group`).
+            gets a group of its own (:attr:`Mesh.replica_group`). With one replica on a device-bound default group
+            (:func:`own_group_needs_all`) each process gets one anyway, for :attr:`Mesh.device_mesh`.
 
     Raises:
         ValueError: the default group's backend cannot move tensors of ``device`` (:func:`group_device`), or moves
@@ -395,10 +410,16 @@ def make_mesh(
     pipeline = PipelineGroup(
         layout.pp_rank(global_rank), pp_group, list(layout.replicas[row]), pp_control if rows > 1 else control, wire
     )
-    replica_group = dp_group
-    if unit_groups and d == 1:
-        replica_group = _own_group(global_rank, layout.order, host, timeout)
-    return Mesh(pipeline, dp_group, control, layout, device.type, dp_control, replica_group, tp_group, stage_control)
+    # A group of this process alone: made here where it needs every process of the pipeline. On a device-bound
+    # NCCL world that is one split of each pipeline's communicator (all pipelines at once) and a one-process NCCL
+    # communicator per process, made whether or not anything uses the public mesh's "dp" dimension.
+    own = None
+    if d == 1 and (unit_groups or own_group_needs_all(host)):
+        own = own_group(global_rank, pp_group, host, timeout)
+    replica_group = own if unit_groups and d == 1 else dp_group
+    return Mesh(
+        pipeline, dp_group, control, layout, device.type, dp_control, replica_group, tp_group, stage_control, own
+    )
 
 
 def _wire_device(device: torch.device) -> torch.device:
@@ -487,22 +508,44 @@ def _stage_control(layout: ReplicaLayout, global_rank: int, timeout: timedelta, 
     return stage_control
 
 
-def _own_group(global_rank: int, order: list[int], host: bool, timeout: timedelta) -> dist.ProcessGroup:
-    """A group of this process alone (FSDP2 over one replica: a mesh of one).
+def own_group_needs_all(host: bool) -> bool:
+    """Whether a group of one process on the device's backend needs every process of a parent group to make it.
 
-    A gloo group is made by its member only. Under NCCL every process makes every one-process group, in the same
-    order (a device-bound NCCL default group splits its communicator for a new group, with every process taking
-    part).
+    A device-bound default group (NCCL initialised with ``device_id``, as the strategy does on CUDA) splits its
+    communicator for every new group, eagerly, with every process of the parent taking part (torch's
+    ``_new_process_group_helper``: ``split_from`` and ``eager_connect_single_device``). gloo, and a default group
+    that is not bound (communicators made lazily by their members), make it with its member alone.
+
+    Args:
+        host: whether the default group's backend moves this process's tensors through the CPU (gloo).
     """
-    if host:
-        return dist.new_group([global_rank], backend="gloo", timeout=timeout, use_local_synchronization=True)
-    own = None
-    for rank in order:
-        group = dist.new_group([rank], timeout=timeout)
-        if rank == global_rank:
-            own = group
-    assert own is not None
-    return own
+    if host or not dist.is_initialized():
+        return False
+    return getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None) is not None
+
+
+def own_group(
+    global_rank: int, parent: dist.ProcessGroup | None, host: bool, timeout: timedelta | None = None
+) -> dist.ProcessGroup:
+    """A group of this process alone on its device's backend (FSDP2 over one replica, a mesh's ``"dp"`` of one).
+
+    gloo where the device's tensors travel through the CPU; else the default group's backend (NCCL on CUDA): with
+    a device-bound default group every process of ``parent`` (``None``: the default group) gets its own in one
+    split of ``parent`` (collective over it: call it together), not one world-wide split per process; otherwise
+    made by this process alone (:func:`own_group_needs_all`).
+
+    Args:
+        global_rank: this process's rank.
+        parent: the group whose processes make theirs together where they must.
+        host: whether the default group's backend moves this process's tensors through the CPU (gloo).
+        timeout: the group's timeout (``None``: torch's default).
+    """
+    if own_group_needs_all(host):
+        group = dist.split_group(parent, [[r] for r in range(dist.get_world_size(parent))], timeout=timeout)
+        assert group is not None  # every process of `parent` is in a split of its own
+        return group
+    backend = "gloo" if host else None
+    return dist.new_group([global_rank], backend=backend, timeout=timeout, use_local_synchronization=True)
 
 
 def shard_dataloader(dataloader: Any, shard: int, n_shards: int, seed: int) -> Any:

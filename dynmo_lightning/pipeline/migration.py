@@ -11,12 +11,15 @@ Migration is two-phase: every transfer completes and every receiver has rebuilt 
 only then do senders drop their copies and receivers install theirs, and the optimizers are updated in place (so LR
 schedulers keep pointing at the same optimizer). Global layer order never changes: a plan is a new contiguous split.
 
-Memory: until the commit a process holds what it had and what it received. Outgoing layers' gradients are dropped
-before anything travels (the step that made them is done, the next one starts from none; moved layers arrive
-without gradients), so a process's transient peak is its old layers' parameters and optimizer state, the gradients
-of the layers it keeps, and the parameters and optimizer state it receives, plus one coalescing buffer of small
-tensors at a time (``tests/pipeline/test_migration.py`` measures it). A capacity check of a plan must allow for it:
-it exceeds the final placement by up to the outgoing layers' parameters and optimizer state.
+Memory: until the commit a process holds what it had and what it received. Every local layer's gradients are
+dropped before anything travels (the step that made them is done, and the next one starts from none; moved layers
+arrive without gradients), and a received tensor becomes the parameter or optimizer state it carries (a layer held
+in parts is rebuilt around its received parts, :meth:`~dynmo_lightning.pipeline.sharding.StageSharding.adopt`), so a
+process's transient peak is its old layers' parameters and optimizer state and the parameters and optimizer state
+it receives, plus one coalescing buffer of small tensors at a time (``tests/pipeline/test_migration.py`` and
+``tests/pipeline/test_migration_memory.py`` measure it). A capacity check of a plan must allow for it: it exceeds the
+final placement by up to the outgoing layers' parameters and optimizer state
+(:meth:`~dynmo_lightning.balance.steptime.memory_model.MemoryModel.migration_peaks`).
 """
 
 from __future__ import annotations
@@ -369,8 +372,9 @@ def migrate(
     stats = MigrationStats(moves)
     leaving = {i for move in moves if pipe.rank == move.src for i in move.layers}
     outgoing = _leaving_params(slots, leaving)
-    for p in outgoing:
-        p.grad = None  # dead (see the module docstring): not held while the layers travel
+    for i in slots.local_indices():
+        for p in slots.get(i).parameters():
+            p.grad = None  # dead (see the module docstring): not held while layers travel
     pairs = [(pipe.global_rank(m.src), pipe.global_rank(m.dst), m.layers) for m in moves]
 
     def release() -> None:

@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from dynmo_lightning.core.parts import held_parts, local_part
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import PipelineGroup
 from dynmo_lightning.profiling import LayerCost, static_memory
+
+if TYPE_CHECKING:
+    from dynmo_lightning.pipeline.sharding import StageSharding
 
 
 def share_loss(loss: Tensor | None, pipe: PipelineGroup, last_rank: int) -> Tensor:
@@ -179,12 +182,18 @@ class GlobalNormClipping:
     over the whole job instead of the pipeline: still one collective, and every slot then holds the square of the
     whole gradient's norm (of its copies' sum, for a tie).
 
+    The global norm before clipping is kept, on the device, as :attr:`last_norm` (every process of the job holds the
+    same value): what ``clip_grad_norm_`` of the unsplit model returns, for the run summary to read after training
+    (reading it in the step would wait for the device).
+
     Attributes:
         param_order: names of all parameters of the unsplit model, in its order.
         names: returns ``id(param) -> name`` in the unsplit model (a tie's copies share the canonical name).
         pipe: returns this process's pipeline (it changes when the world shrinks): its groups and device.
         sharded: whether gradients are held in parts (``data_parallel="fsdp"``, or tensor parallelism).
         holders: processes holding each stage (replicas times tensor-parallel processes) when ``sharded``.
+        last_norm: the global gradient norm before the last call clipped (a new 0-d tensor on the pipeline's device
+            every call), ``None`` before the first call.
     """
 
     param_order: list[str]
@@ -192,6 +201,7 @@ class GlobalNormClipping:
     pipe: Callable[[], PipelineGroup]
     sharded: bool = False
     holders: int = 1
+    last_norm: Tensor | None = dataclasses.field(default=None, init=False)
     _local: dict[tuple[tuple[int, ...], torch.device], Tensor] = dataclasses.field(default_factory=dict, repr=False)
     _global: dict[bytes, tuple[Tensor, Tensor | None]] = dataclasses.field(default_factory=dict, repr=False)
     _weights: dict[tuple[tuple[float, ...], torch.device], Tensor] = dataclasses.field(default_factory=dict, repr=False)
@@ -207,10 +217,11 @@ class GlobalNormClipping:
         # on an accelerator, runs while the host sums which slots are filled (below)
         dist.all_reduce(table, op=dist.ReduceOp.SUM, group=None if self.sharded else pipe.group)
         copies = self._copies(slots, size, pipe)
-        if not params:
-            return
-        total = self._total_norm(table, copies, device, params[0].grad.dtype)
-        self._clip(params, clip_val, total)
+        # A stage without gradients (frozen layers) still knows the global norm: every process keeps the same value.
+        dtype = params[0].grad.dtype if params else trainable[0].dtype if trainable else torch.get_default_dtype()
+        self.last_norm = total = self._total_norm(table, copies, device, dtype)
+        if params:
+            self._clip(params, clip_val, total)
 
     def _trainable_slots(self, optimizer: Optimizer) -> tuple[list[Tensor], list[int]]:
         """The trainable parameters of ``optimizer`` in its order, and each one's slot in the unsplit model's table.
@@ -350,6 +361,7 @@ def gather_costs(
     optimizer: Optimizer | None,
     pipe: PipelineGroup,
     replicas: tuple[dist.ProcessGroup, int] | None = None,
+    sharding: StageSharding | None = None,
 ) -> dict[int, dict[str, float]]:
     """Every layer's measured costs and memory, on every process (collective over the pipeline and its replicas).
 
@@ -361,11 +373,16 @@ def gather_costs(
         replicas: ``(group, size)`` of this stage's replicas (``group``: their CPU group: the costs are host data),
             whose measurements (of different data: routing, exits) are averaged in replica order, so that every
             process of the job plans from the same numbers.
+        sharding: how the stage holds its layers; the gradients and gathered weights a step holds follow it
+            (:meth:`~dynmo_lightning.pipeline.sharding.StageSharding.step_bytes`; ``None``: this process's gradients).
     """
     mine = {}
     for i, cost in local.items():
-        params, grads, optim = static_memory(slots.get(i), optimizer)
+        layer = slots.get(i)
+        params, grads, optim = static_memory(layer, optimizer)
         mine[i] = {**dataclasses.asdict(cost), "param_bytes": params, "grad_bytes": grads, "optim_bytes": optim}
+        if sharding is not None:
+            mine[i] |= sharding.step_bytes(layer)
     parts: list[Any] = [None] * pipe.size
     with on_host():  # host data: on the CPU group
         dist.all_gather_object(parts, mine, group=pipe.control)

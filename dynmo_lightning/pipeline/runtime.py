@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -36,6 +37,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
@@ -47,6 +49,7 @@ from torch.distributed.pipelining.schedules import (
 from dynmo_lightning.balance.split.placement import V_SCHEDULES, stage_ranks
 from dynmo_lightning.core.context import probing
 from dynmo_lightning.core.layer_calls import as_tuple
+from dynmo_lightning.core.model import may_leave_parameters_unused
 from dynmo_lightning.pipeline import transport
 from dynmo_lightning.pipeline.compiled import is_compiled
 from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
@@ -494,6 +497,31 @@ class _Stage(PipelineStage):
         if self.is_last and not self.has_backward:
             self.fwd_cache[fwd_chunk_id] = ((), self.fwd_cache[fwd_chunk_id][1])  # nothing to send: no outputs
         return output
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[Tensor | None, ...], list[dict[str, Any]] | None]:
+        """A micro-batch's backward; under ``fsdp_memory="lean"`` every unit reduce-scatters its gradient as it ends.
+
+        torch's stage turns FSDP2's gradient sync off until the last micro-batch (whole gradients accumulate, one
+        reduction per step); the lean way syncs and frees the gathered weights after every unit's backward, so a
+        process holds one layer's whole gradient at a time, its shards otherwise. FSDP2 adds each reduction into the
+        sharded gradient. Units whose backward hook does not fire (a first layer fed token ids) reduce in
+        :meth:`perform_reduce_grad`, as under the fast way. So do units that may leave a parameter without a
+        gradient (an MoE layer run expert by expert): replicas must reduce the same gradients, which the zero fill
+        before the last reduction ensures (:meth:`StageSharding.fill_unused_grads`). Only whole backwards (a split
+        one is refused at launch).
+        """
+        if not (self._sharding.lean and backward_type == "full" and isinstance(self.submod, FSDPModule)):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(False)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        for unit in self.submod.modules():
+            if isinstance(unit, FSDPModule) and may_leave_parameters_unused(unit):
+                unit.set_requires_gradient_sync(False, recurse=False)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         """The replicas' gradient reduction after the last backward (FSDP2 / replicate units)."""

@@ -41,6 +41,7 @@ from torch.distributed.tensor import empty as dt_empty
 from torch.nn.parallel import DistributedDataParallel
 
 from dynmo_lightning.core.model import may_leave_parameters_unused
+from dynmo_lightning.core.parts import fsdp_param_groups
 from dynmo_lightning.core.parts import local_part as local
 from dynmo_lightning.pipeline.compiled import COMPILED
 from dynmo_lightning.pipeline.tensor_parallel import TensorParallel
@@ -90,6 +91,8 @@ class StageSharding:
             sharded parameters and the gradient reduction stay in float32); ``None``: the parameters' own.
         tensor_parallel: how layers are split over the stage's tensor-parallel group (``None``: they are not), before
             they become units: FSDP2 then shards every process's part over the replicas (2-D parameters).
+        lean: ``fsdp_memory="lean"``: units free their gathered weights after every forward and backward, and the
+            pipeline stage reduce-scatters gradients after every micro-batch's backward (``"fsdp"`` only).
     """
 
     mode: str
@@ -97,6 +100,7 @@ class StageSharding:
     device: torch.device
     param_dtype: torch.dtype | None = None
     tensor_parallel: TensorParallel | None = None
+    lean: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -110,10 +114,15 @@ class StageSharding:
         device: torch.device,
         precision: Any,
         tensor_parallel: TensorParallel | None = None,
+        fsdp_memory: str = "fast",
     ) -> StageSharding:
-        """The sharding of ``mode`` under Lightning's ``precision`` plugin: FSDP2 computes in bf16 under bf16-mixed."""
+        """The sharding of ``mode`` under Lightning's ``precision`` plugin: FSDP2 computes in bf16 under bf16-mixed.
+
+        ``fsdp_memory``: ``DynMoStrategy(fsdp_memory=...)`` (``"lean"``: see :attr:`lean`).
+        """
         bf16 = isinstance(precision, MixedPrecision) and precision.precision == "bf16-mixed"
-        return cls(mode, mesh, device, torch.bfloat16 if bf16 and mode in FSDP_MODES else None, tensor_parallel)
+        param_dtype = torch.bfloat16 if bf16 and mode in FSDP_MODES else None
+        return cls(mode, mesh, device, param_dtype, tensor_parallel, lean=mode == "fsdp" and fsdp_memory == "lean")
 
     @property
     def units(self) -> bool:
@@ -151,7 +160,7 @@ class StageSharding:
             param_dtype=self.param_dtype, reduce_dtype=torch.float32 if self.param_dtype else None
         )
         if self.mode == "fsdp":
-            fully_shard(module, mesh=self.mesh(), reshard_after_forward=False, mp_policy=mp)
+            fully_shard(module, mesh=self.mesh(), reshard_after_forward=self.lean, mp_policy=mp)
         else:
             replicate(module, mesh=self.mesh(), mp_policy=mp)
 
@@ -180,6 +189,11 @@ class StageSharding:
         for layer in todo:
             self._apply(layer)
 
+    def make_unit(self, layer: nn.Module) -> None:
+        """Make ``layer`` (real or on the meta device) a unit, unless it is one or layers are not units (DDP)."""
+        if self.units and not is_unit(layer):
+            self._apply(layer)
+
     def wrap(self, module: nn.Module, replicas: dist.ProcessGroup | None) -> nn.Module:
         """The stage module for a step: in DDP over ``replicas``, or the FSDP root of its (unit) layers.
 
@@ -188,9 +202,7 @@ class StageSharding:
         every micro-batch, the reduction after the last).
         """
         if self.units:
-            for unit in module.modules():
-                if unit is not module and is_unit(unit):
-                    _state(unit)._is_root = None  # torch has no public reset: a root is found at the first forward
+            self.forget_root(module.modules())
             self._apply(module)
             return module
         if replicas is None or not any(p.requires_grad for p in module.parameters()):
@@ -205,6 +217,44 @@ class StageSharding:
             gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy of every gradient
         )
 
+    def step_bytes(self, layer: nn.Module) -> dict[str, int]:
+        """What a training step holds of ``layer`` beyond its weights and optimizer state, as FSDP2 runs it.
+
+        ``grad_bytes``: its gradients from the stage's first backward to the end of the step; ``gathered_bytes``:
+        what it holds only while it runs. Not units (DDP, tensor parallelism alone): this process's gradients,
+        nothing gathered. FSDP2 / replicate units under a pipeline, gradient sync off until the last micro-batch
+        (``fsdp_memory="fast"``, and units that may leave a parameter unused): the gathered layer's whole gradients
+        in the reduction dtype (float32 under bf16-mixed), held from the first backward on; the gathered weights are
+        the profiler's weight copies, held for the step. ``"lean"``: the gradient's shard (accumulated reductions),
+        and while the layer runs its gathered weights, its whole gradient and the reduce-scatter's buffers.
+        """
+        trained = [p for p in layer.parameters() if p.requires_grad]
+        if not self.units or not is_unit(layer):
+            return {"grad_bytes": sum(local(p).numel() * p.element_size() for p in trained), "gathered_bytes": 0}
+        reduce = torch.empty((), dtype=torch.float32 if self.param_dtype else trained[0].dtype).element_size() \
+            if trained else 0  # fmt: skip
+        whole = sum(_gathered_numel(p) for p in trained)
+        if not self.lean or may_leave_parameters_unused(layer):
+            return {"grad_bytes": whole * reduce, "gathered_bytes": 0}
+        compute = torch.empty((), dtype=self.param_dtype).element_size() if self.param_dtype else reduce
+        shards = sum(local(p).numel() for p in trained)
+        gathered = sum(_gathered_numel(p) for p in layer.parameters()) * compute + whole * (compute + reduce)
+        return {"grad_bytes": shards * reduce, "gathered_bytes": gathered + shards * reduce, "weight_copies_bytes": 0}
+
+    @staticmethod
+    def forget_root(modules: Iterable[nn.Module]) -> None:
+        """Detach the units among ``modules`` from the root of the stage they last ran in (its stage is rebuilt).
+
+        A root's first forward gives every unit under it one shared context listing all of them: a unit that stays
+        on this process would otherwise keep the ones that left, weights and all, until the next step's root takes
+        over. torch has no public reset: the next root finds its units again at its first forward.
+        """
+        for unit in modules:
+            if is_unit(unit):
+                state = _state(unit)
+                state._is_root = None
+                state._state_ctx = type(state._state_ctx)()  # FSDP2's context, or replicate's
+
     @staticmethod
     def reshard(modules: Iterable[nn.Module]) -> None:
         """Free the all-gathered parameters of the units in ``modules`` (after a forward-only schedule)."""
@@ -214,30 +264,29 @@ class StageSharding:
                     unit.reshard()
 
     def fill_unused_grads(self, module: nn.Module, host_group: dist.ProcessGroup | None) -> None:
-        """Before the reduction: a zero gradient where another replica has one and this one has none.
+        """Before the reduction: a zero gradient where another replica has one, every unit's gradients in one dtype.
 
         FSDP2 reduce-scatters the gradients present, in order: replicas that miss different ones (an expert no token
         of this replica reached) would reduce tensors of different sizes. Which parameters have a gradient is host
         data, OR-ed over ``host_group`` (the replicas' CPU group), only for units that say a step may leave
         parameters unused (``pipeline_unused_parameters``); one no replica used keeps no gradient, as in one process.
+
+        FSDP2 also reduces a unit's gradients as one buffer of one dtype ("expects uniform gradient dtype"): it
+        takes ``unsharded_accumulated_grad`` where there is one (the reduction dtype, float32 under bf16-mixed: with
+        gradient sync off until the last micro-batch, each post-backward moves ``.grad`` there), else ``.grad`` (the
+        compute dtype). A zero goes where the unit's other gradients are, and a ``.grad`` that came after the last
+        post-backward (a split backward's last weight pass) joins the accumulated ones (:func:`_one_grad_dtype`).
         """
-        if self.mesh().size() == 1:
-            return
-        params = [
-            fp
+        groups = [
+            (group, may_leave_parameters_unused(unit))
             for unit in module.modules()
-            if is_unit(unit) and unit is not module and may_leave_parameters_unused(unit)
-            for group in _state(unit)._fsdp_param_groups
-            for fp in group.fsdp_params
-            if fp.sharded_param.requires_grad
+            if is_unit(unit) and unit is not module
+            for group in fsdp_param_groups(_state(unit))
         ]
-        if not params:
-            return
-        has = torch.tensor([_has_grad(fp) for fp in params], dtype=torch.uint8)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=host_group)
-        for fp, used in zip(params, has.tolist(), strict=True):
-            if used and not _has_grad(fp):
-                fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
+        unused = [fp for group, unused in groups if unused for fp in group.fsdp_params if _trains(fp)]
+        fill = _used_elsewhere(unused, host_group) if self.mesh().size() > 1 else set()
+        for group, _ in groups:
+            _one_grad_dtype(group.fsdp_params, fill)
 
     # --- migration ----------------------------------------------------------------------------------------------
     def adopt(self, index: int, module: nn.Module, shards: dict[int, Tensor]) -> nn.Module:
@@ -245,30 +294,79 @@ class StageSharding:
 
         Its parameters arrived as meta tensors of their full shape (``shards``: the received shard of each, by the
         placeholder's ``id``). The layer is split over this process's tensor-parallel group and sharded over its
-        replica group on the meta device (nothing whole is allocated), materialised (each process allocates its
-        parts) and filled with the received shards, which are then freed.
+        replica group on the meta device (nothing whole is allocated), and every received shard *becomes* its
+        parameter's local part (``DTensor.from_local``, assigned): the memory it was received into is the
+        parameter's, so an arriving layer costs no more than its parts. FSDP2 takes a parameter over from its
+        assigned part (``reset_sharded_param``, which copies only a part it must pad: a dimension ``D`` does not
+        divide). Buffers, and parameters a tensor-parallel plan leaves whole, arrived whole with their values.
         """
         by_name = {name: shards.pop(id(p)) for name, p in module.named_parameters() if id(p) in shards}
         if not by_name:
             return module
-        buffers = {(m, n): b for m in module.modules() for n, b in m._buffers.items() if b is not None}
         # parameters a tensor-parallel plan leaves whole (norms) arrived whole, with their values
-        whole = {name: p.detach() for name, p in module.named_parameters() if name not in by_name}
+        whole = {name: p for name, p in module.named_parameters() if name not in by_name}
         self.split(index, module)
-        if self.units:
-            self._apply(module)
-        module.to_empty(device=self.device)
-        for (m, n), b in buffers.items():
-            m._buffers[n] = b  # received whole, with their values (``to_empty`` left fresh memory)
-        with torch.no_grad():
-            for name, p in module.named_parameters():
-                # the received shard goes as soon as it is copied
-                local(p).copy_(by_name.pop(name) if name in by_name else whole.pop(name))
+        self.make_unit(module)
+        state: dict[str, Tensor] = {}
+        for name, p in module.named_parameters():
+            part = by_name.pop(name, None)
+            if part is None:
+                state[name] = whole.pop(name)
+            else:
+                state[name] = DTensor.from_local(part, p.device_mesh, p.placements, run_check=False,
+                                                 shape=p.shape, stride=p.stride())  # fmt: skip
+        # assign: no copy; strict=False: the buffers stay the received ones (not in ``state``)
+        module.load_state_dict(state, strict=False, assign=True)
         return module
+
+
+def _gathered_numel(p: Tensor) -> int:
+    """Elements of ``p`` once FSDP2 gathered it over the replicas (``"dp"``): the process's tensor-parallel part."""
+    part = local(p).numel()
+    if isinstance(p, DTensor):
+        names = p.device_mesh.mesh_dim_names or ("dp",) * p.device_mesh.ndim
+        for dim, placement in enumerate(p.placements):
+            if names[dim] == "dp" and not placement.is_replicate():
+                part *= p.device_mesh.size(dim)
+    return part
 
 
 def _has_grad(fp: Any) -> bool:
     return fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+
+
+def _used_elsewhere(params: list[Any], host_group: dist.ProcessGroup | None) -> set[int]:
+    """Ids of the FSDP2 parameters among ``params`` without a gradient here that another replica has one for."""
+    if not params:
+        return set()
+    has = torch.tensor([_has_grad(fp) for fp in params], dtype=torch.uint8)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=host_group)
+    return {id(fp) for fp, used in zip(params, has.tolist(), strict=True) if used and not _has_grad(fp)}
+
+
+def _trains(fp: Any) -> bool:
+    # FSDP2 collects only parameters it has unsharded this step (`post_backward` skips the others)
+    return fp.sharded_param.requires_grad and hasattr(fp, "_unsharded_param")
+
+
+def _one_grad_dtype(fsdp_params: Sequence[Any], fill: set[int]) -> None:
+    """A zero gradient for the parameters of one FSDP2 group in ``fill`` (ids); all it will collect in one dtype.
+
+    Where some parameter of the group accumulated (``unsharded_accumulated_grad``, the reduction dtype), the zeros
+    are accumulated gradients of that dtype and a lone ``.grad`` is moved there by FSDP2's own cast
+    (``to_accumulated_grad_if_needed``); otherwise every gradient is a ``.grad`` of the compute dtype. Host checks
+    and device casts only: no host sync.
+    """
+    accumulates = any(fp.unsharded_accumulated_grad is not None for fp in fsdp_params if _trains(fp))
+    for fp in fsdp_params:
+        if id(fp) in fill:
+            param = fp.unsharded_param
+            if accumulates:
+                fp.unsharded_accumulated_grad = torch.zeros_like(param, dtype=fp.reduce_dtype)
+            else:
+                param.grad = torch.zeros_like(param)
+        elif accumulates and _trains(fp) and fp.unsharded_accumulated_grad is None:
+            fp.to_accumulated_grad_if_needed()  # a lone `.grad` (none: nothing to do) in the reduction dtype
 
 
 # ---------------------------------------------------------------------------------------------------------------------

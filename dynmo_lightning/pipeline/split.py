@@ -7,19 +7,26 @@ The steps, in order (torchtitan's chain of named steps: plan, split, materialise
 2. :func:`initial_partition` - the first split (``"uniform"``, ``"params"`` or the user's list), checked against
    the schedule and the number of stages;
 3. :func:`split_module` - replace other stages' layers by placeholders (their memory is freed) and materialise this
-   stage's meta-device layers, each from its own seed, so a layer has the same initial weights on any stage.
+   stage's meta-device layers, each from its own seed, so a layer has the same initial weights on any stage;
+4. :func:`build_in_parts` - where the processes of a stage hold parts of its layers (FSDP2 shards, tensor-parallel
+   splits), each layer is built shard first: split and sharded on the meta device, given storage for its parts only,
+   and filled from the host-initialised layer, one layer at a time. No process holds more than its parts plus one
+   whole layer (on the host), so a stage too big for one device whole starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dynmo_lightning import balance
 from dynmo_lightning.core.layer_init import materialise_layer
 from dynmo_lightning.core.model import ProtocolError, check_protocol
+from dynmo_lightning.core.parts import local_part
 from dynmo_lightning.pipeline.layers import LayerSlots, RemoteLayer
 from dynmo_lightning.pipeline.runtime import StagePlan, check_schedule
 from dynmo_lightning.pipeline.ties import Tie, find_ties
@@ -118,7 +125,13 @@ class SplitModel:
 
 
 def split_module(
-    module: nn.Module, layers: list[nn.Module], plan: StagePlan, rank: int, device: torch.device, seed: int
+    module: nn.Module,
+    layers: list[nn.Module],
+    plan: StagePlan,
+    rank: int,
+    device: torch.device,
+    seed: int,
+    parts: Callable[[int, nn.Module], None] | None = None,
 ) -> SplitModel:
     """Keep pipeline ``rank``'s layers of ``plan`` in ``module``; placeholders for the rest.
 
@@ -127,8 +140,11 @@ def split_module(
         layers: its :func:`pipeline_layers`.
         plan: the partition.
         rank: this process's pipeline rank.
-        device: where this stage's meta-device layers are materialised.
+        device: where this stage's layers are materialised.
         seed: base seed of the per-layer initialisation.
+        parts: splits and shards a (meta-device) layer in place, ``(index, layer)``, where this process holds parts
+            of its layers: every local layer is then built by :func:`build_in_parts`. ``None``: each process holds
+            its layers whole, and meta-device layers are materialised on ``device``.
     """
     slots = LayerSlots(module, layers)
     model = SplitModel(
@@ -143,8 +159,49 @@ def split_module(
     for i in range(len(layers)):
         if i not in mine:
             slots.remove(i)
-            continue
+    for i in sorted(mine):  # one layer at a time: its whole host copy is gone before the next one is made
         layer = slots.get(i)
-        if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
+        if parts is not None:
+            build_in_parts(module, i, layer, seed, device, parts)
+        elif any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
             materialise_layer(module, i, layer, seed, device)
     return model
+
+
+def build_in_parts(
+    module: nn.Module,
+    index: int,
+    layer: nn.Module,
+    seed: int,
+    device: torch.device,
+    parts: Callable[[int, nn.Module], None],
+) -> None:
+    """Build layer ``index`` as this process's parts of it, on ``device``, holding it whole only on the host.
+
+    The layer's values come from the host: a meta-device layer is materialised there from its seed (the values any
+    stage would give it), a built one keeps its own. The layer then goes to the meta device, ``parts`` splits and
+    shards it there (tensor parallel, compile, FSDP2 / replicate: nothing whole is allocated), ``to_empty`` gives
+    its parts storage on ``device``, and each part is filled from the host value it is a part of.
+    """
+    if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
+        materialise_layer(module, index, layer, seed, torch.device("cpu"))
+    # Aliases of the values: the layer's own tensors become meta ones below.
+    values = {name: t.detach() for name, t in _tensors(layer)}
+    layer.to(device="meta")
+    parts(index, layer)
+    layer.to_empty(device=device)
+    with torch.no_grad():
+        for name, t in _tensors(layer):
+            local_part(t).copy_(_part_of(values.pop(name), t))
+
+
+def _tensors(layer: nn.Module) -> list[tuple[str, Tensor]]:
+    return [*layer.named_parameters(), *layer.named_buffers()]
+
+
+def _part_of(value: Tensor, like: Tensor) -> Tensor:
+    """This process's part of the whole ``value``, laid out as ``like`` (no communication: every process has it)."""
+    if not isinstance(like, DTensor):
+        return value
+    whole = value.to(like.device)  # the whole tensor on the device for a moment: one parameter, not the layer
+    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None).to_local()

@@ -30,6 +30,7 @@ from dynmo_lightning.pipeline.migration import MigrationStats, migrate, pack
 from dynmo_lightning.pipeline.runtime import PipelineRuntime, StagePlan, StepResult
 from dynmo_lightning.pipeline.sharding import StageSharding
 from dynmo_lightning.pipeline.split import count_params, initial_partition, pipeline_layers, split_module
+from dynmo_lightning.pipeline.tensor_parallel import average_replicated_grads
 from dynmo_lightning.pipeline.ties import TiedParameters
 from dynmo_lightning.profiling import release_cached_memory
 from dynmo_lightning.recompute import Policy
@@ -75,7 +76,11 @@ class LocalStages:
         self.module = module
         self.compile_options = check_options(compile_options)
         self.device = device
-        self.split = split_module(module, layers, plan, pipe.rank, device, seed)
+        sharding = sharding if sharding is not None else StageSharding("ddp", lambda: None, device)
+        # Where processes hold parts of their layers, each is built as its parts (pipeline/split.build_in_parts).
+        parts = self._apply_parts if sharding.units or sharding.tensor_parallel is not None else None
+        self.sharding = sharding
+        self.split = split_module(module, layers, plan, pipe.rank, device, seed, parts)
         self.ties = TiedParameters(self.split.ties, layout, timeout)
         self.ties.follow(self.slots, plan, pipe.rank)
         self.ties.sync_values(self.slots, plan, pipe.rank)
@@ -142,25 +147,26 @@ class LocalStages:
         """Where every layer sits in the module, and which ones this process holds."""
         return self.split.slots
 
-    @property
-    def sharding(self) -> StageSharding:
-        """How the stages share their layers with their replicas."""
-        return self.runtime.sharding
-
     def shard(self) -> None:
-        """Split, compile and make units of every local layer (``tensor_parallel_size``, ``compile``, ``fsdp``).
+        """Split, compile and make units of every local layer that is not yet (tensor parallel, compile, FSDP2).
 
-        Once, after the layers are materialised on their device and before the optimizers see their parameters,
-        and for the layers that arrive by migration; torchtitan's order: tensor parallel, compile, then FSDP.
+        The layers that arrived by migration are split and units already (compiled here); layers the processes of a
+        stage hold whole are compiled here.
+
+        Before the optimizers see the parameters; torchtitan's order: tensor parallel, compile, then FSDP.
         """
         indices = self.slots.local_indices()
-        layers = [self.slots.get(i) for i in indices]
-        for i, layer in zip(indices, layers, strict=True):
-            self.sharding.split(i, layer)
+        for i in indices:
+            self._apply_parts(i, self.slots.get(i))
+        # a tie kept as one tensor on this process would be managed by two units: refused here
+        self.sharding.shard_layers([self.slots.get(i) for i in indices])
+
+    def _apply_parts(self, index: int, layer: nn.Module) -> None:
+        """Split, compile and make a unit of layer ``index`` (real or meta), each unless it is already."""
+        self.sharding.split(index, layer)
         if self.compile_options is not None:
-            for layer in layers:
-                compile_layer(layer, self.compile_options)
-        self.sharding.shard_layers(layers)
+            compile_layer(layer, self.compile_options)
+        self.sharding.make_unit(layer)
 
     @property
     def plan(self) -> StagePlan:
@@ -197,6 +203,7 @@ class LocalStages:
                 p.grad = None
         self.runtime.replicas, self.runtime.replicas_host = replicas, replicas_host
         result = self.runtime.step(inputs, target, train=True)
+        average_replicated_grads([self.slots.get(i) for i in self.slots.local_indices()], self.sharding.tensor_parallel)
         self.ties.reduce_grads(self.slots, self.plan, self.pipe.rank)
         return reduce.share_loss(result.loss, self.pipe, self.runtime.last_rank)
 
@@ -262,7 +269,7 @@ class LocalStages:
         """
         if self.runtime.profiler.active:
             local = self.runtime.profiler.stop()
-            self._profiled = reduce.gather_costs(local, self.slots, optimizer, self.pipe, replicas)
+            self._profiled = reduce.gather_costs(local, self.slots, optimizer, self.pipe, replicas, self.sharding)
         return self._profiled
 
     def layers_changed(self, step: int, layers: Sequence[int] | None) -> None:
@@ -284,13 +291,18 @@ class LocalStages:
         (:func:`release_cached_memory`): the caching allocator would otherwise keep their blocks, fragmenting across
         moves.
         """
-        self.runtime.invalidate()
+        self._drop_stages()
         stats = migrate(self.slots, optimizers, self.plan, new, pipe=self.pipe, sharding=self.sharding)
         self.ties.follow(self.slots, new, self.pipe.rank, optimizers)
         self.shard()  # arrived units are units again; a tie they would share on this process is refused here
         self.runtime.set_plan(new)
         release_cached_memory(self.device)  # the layers that left: their blocks back to the device
         return stats
+
+    def _drop_stages(self) -> None:
+        """Forget the built stages before layers move: their buffers, and the root the units ran under, go."""
+        self.runtime.invalidate()
+        self.sharding.forget_root(self.slots.get(i) for i in self.slots.local_indices())
 
     def pack(
         self,
@@ -304,7 +316,7 @@ class LocalStages:
 
         ``job`` is the CPU group of the whole job, over which the copies are agreed.
         """
-        self.runtime.invalidate()  # as in :meth:`migrate`
+        self._drop_stages()  # as in :meth:`migrate`
         args = (self.slots, optimizers, self.plan, keep_ranks, layers_per_stage, copies)
         stats = pack(*args, pipe=self.pipe, job=job)
         release_cached_memory(self.device)

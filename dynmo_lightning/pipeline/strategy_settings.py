@@ -48,6 +48,15 @@ class StrategySettings:
     gradients), ``"fsdp"`` (FSDP2 shards every layer's weights, gradients and optimizer state over the replicas:
     ``1/D`` per process) or ``"replicate"`` (torch's FSDP-based replicate: whole layers, FSDP2's hooks). The two
     last also run the zero-bubble schedules with replicas (docs/scale_out.md)."""
+    fsdp_memory: str = "fast"
+    """How FSDP2 (``data_parallel="fsdp"``) holds a stage's layers during a step. ``"fast"``: each layer's weights
+    are gathered once per step and its gradients reduce-scattered once, after the last micro-batch, so the whole
+    stage's gathered weights and its whole gradients (in the reduction dtype, float32 under bf16-mixed) are held from
+    the first forward to the end of the step; only optimizer state and the fp32 weights are ``1/D`` (the least
+    communication). ``"lean"``: weights are gathered for every forward and backward and freed after them, and
+    gradients reduce-scattered after every micro-batch's backward, so a process holds one layer's gathered weights
+    and whole gradient at a time, its shards otherwise (``2M`` all-gathers and ``M`` reduce-scatters per layer and
+    step instead of one each; schedules without a split backward). docs/memory.md says which to choose when."""
     tensor_parallel_size: int = 1
     """Processes every stage is split over (tensor parallelism, innermost in the job's mesh: consecutive ranks). Each
     pipeline layer is split by the model's ``pipeline_parallelize_layer(index, layer, tp_mesh)`` hook, or by the
@@ -81,6 +90,7 @@ class StrategySettings:
         if not isinstance(self.partition, str):  # a Hydra ListConfig, a tuple: plain integers
             self.partition = [int(n) for n in self.partition]
         check_options(self.compile)
+        launcher.check_fsdp_memory(self.fsdp_memory, self.data_parallel, self.schedule)
         if self.checkpoint_format not in sharded.FORMATS:
             raise ValueError(f"checkpoint.format={self.checkpoint_format!r} is not one of {list(sharded.FORMATS)}")
 

@@ -18,6 +18,12 @@ Every split block takes and returns whole (replicated) hidden states: what trave
 without tensor parallelism. A layer no plan splits runs whole on every process of its stage (the embedding and the
 head, an MoE layer's experts, a sparse attention whose density adapts to all heads at once).
 
+Whatever no plan splits is held whole by every process of the stage (or, under FSDP2, the same replica shard by
+each), and its gradient is computed by each of them from the same data: equal in exact arithmetic, not in bits where
+CUDA kernels accumulate in a nondeterministic order (``index_add_``, an embedding's backward). Once per step, after
+the backward and before clipping, those gradients are averaged over the tensor-parallel group
+(:func:`average_replicated_grads`), so the copies never drift apart.
+
 A layer is split once where it is built (:meth:`TensorParallel.split`), in torchtitan's order: tensor parallel,
 then compile, then FSDP2. A layer that migrates travels as its local parts (each process sends its part to the
 process of the same tensor-parallel rank on the receiving stage), arrives as a meta-device layer, is split again by
@@ -27,14 +33,17 @@ holds a moving layer whole.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from torch import nn
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from dynmo_lightning.core.parts import local_part
 from dynmo_lightning.models.blocks import MLP, Block, CausalSelfAttention
 
 #: The module hook that splits a layer (``(index, layer, tp_mesh) -> None``, in place).
@@ -87,6 +96,98 @@ class TensorParallel:
             plan = builtin_plan(layer, mesh.size())
             if plan:
                 parallelize_module(layer, mesh, plan)
+
+
+#: Bytes of gradients averaged in one collective (a larger gradient goes alone, in place): few collectives, and
+#: a bounded copy.
+BUCKET_BYTES = 32 * 2**20
+
+
+@torch.no_grad()
+def average_replicated_grads(layers: Iterable[nn.Module], tensor_parallel: TensorParallel | None) -> None:
+    """Average the gradients of the parameters of ``layers`` that no plan split over the tensor-parallel group.
+
+    A parameter split over ``"tp"`` (a DTensor on that mesh dimension) keeps its gradient: it is this process's part.
+    Every other trainable parameter (a plain tensor, or under FSDP2 a DTensor on ``"dp"`` only, of which every
+    tensor-parallel peer holds the same shard) gets the mean of its gradient's local part over the group, in
+    buckets of up to :data:`BUCKET_BYTES` per dtype, summed and divided on the device. A peer without a gradient
+    counts as a zero (as a replica without one does under data parallelism); a parameter no peer has a gradient for
+    keeps none. Which peers have one rides in the last bucket; it is read on the host only where this process lacks
+    a gradient another may have (a layer that may leave parameters unused): no host sync otherwise.
+
+    Args:
+        layers: this process's pipeline layers (every peer passes the same layers, in the same order).
+        tensor_parallel: the stage's tensor parallelism (``None``: none, nothing to do).
+    """
+    if tensor_parallel is None:
+        return
+    group = tensor_parallel.mesh().get_group()
+    params = _replicated(layers)
+    if dist.get_world_size(group) == 1 or not params:
+        return
+    grads = [local_part(p.grad) if p.grad is not None else torch.zeros_like(local_part(p)) for p in params]
+    has = torch.ones(len(params), dtype=grads[-1].dtype, device=grads[-1].device)
+    missing = [i for i, p in enumerate(params) if p.grad is None]
+    for i in missing:
+        has[i] = 0
+    _average(grads, has, group)
+    if missing:
+        counts = has.tolist()  # a host read, only where this process lacks a gradient
+        for i in missing:
+            if counts[i] > 0:
+                params[i].grad = _grad_like(params[i], grads[i])
+
+
+def _replicated(layers: Iterable[nn.Module]) -> list[Tensor]:
+    """The trainable parameters of ``layers`` no plan split over ``"tp"`` (a tie held by two of them once)."""
+    whole = {id(p): p for layer in layers for p in layer.parameters() if p.requires_grad and not _on_tp(p)}
+    return list(whole.values())
+
+
+def _average(grads: list[Tensor], has: Tensor, group: dist.ProcessGroup) -> None:
+    """Average ``grads`` over ``group`` in place, bucket by bucket; ``has`` (summed, not divided) in the last one."""
+    size = dist.get_world_size(group)
+    for bucket in _buckets(grads):
+        last = bucket[-1] == len(grads) - 1
+        tensors = [grads[i] for i in bucket] + ([has] if last else [])
+        # a lone gradient is reduced where it is; several are copied into one buffer and back
+        flat = tensors[0] if len(tensors) == 1 and tensors[0].is_contiguous() else _flat(tensors)
+        dist.all_reduce(flat, group=group)
+        flat[: flat.numel() - (has.numel() if last else 0)].div_(size)
+        if flat is not tensors[0]:
+            torch._foreach_copy_(tensors, _unflat(flat, tensors))
+
+
+def _buckets(grads: list[Tensor]) -> list[list[int]]:
+    """Indices of ``grads`` in buckets of one dtype and device, each of up to :data:`BUCKET_BYTES`, by last index."""
+    done: list[list[int]] = []
+    open_: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    held: dict[tuple[torch.dtype, torch.device], int] = {}
+    for i, g in enumerate(grads):
+        key, size = (g.dtype, g.device), g.numel() * g.element_size()
+        if key in open_ and held[key] + size > BUCKET_BYTES:
+            done.append(open_.pop(key))
+        if key not in open_:
+            open_[key], held[key] = [], 0
+        open_[key].append(i)
+        held[key] += size
+    return sorted(done + list(open_.values()), key=lambda b: b[-1])
+
+
+def _flat(tensors: list[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflat(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
+    sizes = [t.numel() for t in tensors]
+    return [part.view_as(t) for part, t in zip(flat.split(sizes), tensors, strict=True)]
+
+
+def _grad_like(param: Tensor, local: Tensor) -> Tensor:
+    """A gradient for ``param`` from its local part (a DTensor laid out as ``param`` where it is one)."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return local
 
 
 # ---------------------------------------------------------------------------------------------------------------------

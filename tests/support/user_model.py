@@ -89,18 +89,23 @@ def fit(
     shuffle: bool = False,
     callbacks=(),
     tp: bool = False,
+    *,
+    model: UserNet | None = None,
+    clip: float | None = 0.5,
+    steps: int = STEPS,
 ) -> dict:
     """Train; returns the losses and (on global rank 0) the whole model's final state dict.
 
-    ``tp``: the model with the user's tensor-parallel plan (:class:`UserTPNet`).
+    ``tp``: the model with the user's tensor-parallel plan (:class:`UserTPNet`); ``model``: another model to train
+    (``tp`` then unused); ``clip``: ``gradient_clip_val`` (``None``: no clipping); ``steps``: optimizer steps.
     """
-    model = UserTPNet() if tp else UserNet()
+    model = model if model is not None else UserTPNet() if tp else UserNet()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        max_steps=STEPS,
-        gradient_clip_val=0.5,
+        max_steps=steps,
+        gradient_clip_val=clip,
         callbacks=list(callbacks),
         logger=False,
         enable_checkpointing=False,

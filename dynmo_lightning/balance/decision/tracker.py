@@ -31,7 +31,7 @@ class CostTracker:
     #: (:meth:`layer_memory`).
     FIELDS = (
         "fwd", "bwd", "bwd_weight", "activation_bytes", "param_bytes", "grad_bytes", "optim_bytes",
-        "recompute_bytes", "input_bytes", "weight_copies_bytes",
+        "recompute_bytes", "input_bytes", "weight_copies_bytes", "gathered_bytes",
     )  # fmt: skip
 
     def __init__(self, n_layers: int, smoothing: float = 0.5, window: int = 5) -> None:
@@ -104,7 +104,8 @@ class CostTracker:
         v = self.values
         return [
             LayerBytes(v["param_bytes"][i], v["grad_bytes"][i], v["optim_bytes"][i], v["activation_bytes"][i],
-                       v["recompute_bytes"][i], v["input_bytes"][i], copies=v["weight_copies_bytes"][i])
+                       v["recompute_bytes"][i], v["input_bytes"][i], copies=v["weight_copies_bytes"][i],
+                       gathered=v["gathered_bytes"][i])
             for i in range(self.n_layers)
         ]  # fmt: skip
 

@@ -1,7 +1,9 @@
 """Every stage's peak memory under the schedule's own task order, and what a migration holds on the way.
 
-A layer is described by :class:`LayerBytes` (its weights, gradients and optimizer state as one process holds
-them, i.e. ``1/D`` under FSDP; what it keeps for backward per micro-batch, a checkpointed layer its kept input;
+A layer is described by :class:`LayerBytes` (its weights and optimizer state as one process holds them, ``1/D``
+under FSDP2; the gradients and weight copies a step holds, which under FSDP2's ``fsdp_memory="fast"`` are the whole
+layer's, gathered and in the reduction dtype, and under ``"lean"`` a shard, with one layer's whole weights and
+gradient held only while it runs; what it keeps for backward per micro-batch, a checkpointed layer its kept input;
 its recomputation's bytes; its input's size). A rank's memory during one step is then, in the order its schedule
 runs its tasks (:func:`~dynmo_lightning.balance.steptime.makespan.rank_orders`):
 
@@ -38,8 +40,9 @@ class LayerBytes:
     """What one layer takes on the process that holds it, in bytes.
 
     Attributes:
-        params: its weights (and buffers) as this process holds them (a shard under FSDP).
-        grads: its weights' gradients (the same shard).
+        params: its weights (and buffers) as this process holds them (a shard under FSDP2).
+        grads: its weights' gradients as a step holds them from the stage's first backward on (FSDP2: the whole
+            layer's in the reduction dtype under ``fsdp_memory="fast"``, a shard under ``"lean"``).
         optim: its optimizer state (AdamW: two moments, twice ``grads``; SGD with momentum: once).
         activations: what it keeps for backward per micro-batch (checkpointed: its kept input only).
         recompute: checkpointed, what its recomputation holds during its backward (0 otherwise).
@@ -49,7 +52,9 @@ class LayerBytes:
         split_extra: under the split backward, what a micro-batch holds between the input and the weight part
             beyond its activations (the output gradients kept for the weight part, less what the input part freed).
         copies: copies of its weights held during a step, once for all micro-batches (autocast's bf16 casts,
-            FSDP2's gathered weights).
+            FSDP2's gathered weights, which ``fsdp_memory="fast"`` keeps for the step).
+        gathered: what it holds only while it runs, on top of :attr:`workspace` (``fsdp_memory="lean"``: its
+            weights gathered for its backward, and its whole gradient until the reduce-scatter).
     """
 
     params: float
@@ -61,11 +66,12 @@ class LayerBytes:
     workspace: float | None = None
     split_extra: float = 0.0
     copies: float = 0.0
+    gathered: float = 0.0
 
     @property
     def backward(self) -> float:
-        """The backward's transient: :attr:`workspace`, or else its input gradient and recomputation."""
-        return self.inputs + self.recompute if self.workspace is None else self.workspace
+        """The backward's transient: :attr:`workspace` (or its input gradient and recomputation), :attr:`gathered`."""
+        return (self.inputs + self.recompute if self.workspace is None else self.workspace) + self.gathered
 
     @property
     def static(self) -> float:
