@@ -83,7 +83,7 @@ class DynMoStrategy(WrappedPlugins):
         self.activation_checkpointing = s.activation_checkpointing
         self.n_microbatches, self.schedule, self.stages_per_rank = s.n_microbatches, s.schedule, s.stages_per_rank
         self.partition, self.data_parallel_size, self.data_parallel = s.partition, s.data_parallel_size, s.data_parallel
-        self.tensor_parallel_size = s.tensor_parallel_size
+        self.tensor_parallel_size, self.fsdp_memory = s.tensor_parallel_size, s.fsdp_memory
         self._timeout, self.heartbeat_timeout = s.timeout_delta, float(s.heartbeat_timeout)
         self.checkpoint_format = s.checkpoint_format
         self.process_group_backend = s.process_group_backend  # resolved per device at start-up
@@ -461,6 +461,17 @@ class DynMoStrategy(WrappedPlugins):
         with self._phase(f"layer migration {self.layers_per_stage} -> {lps}"):
             stats = self._stages.migrate(new, self.optimizers)
         return self._record(Resized(stats, {"step": self._global_step(), "layers_per_stage": lps}))
+
+    @property
+    def fsdp_memory_in_force(self) -> str:
+        """How FSDP2 units hold a step's weights and gradients now: ``"fast"`` or ``"lean"``."""
+        lean = self._stages.sharding.lean if self._stages is not None else self.fsdp_memory == "lean"
+        return "lean" if lean else "fast"
+
+    def set_fsdp_memory(self, way: str) -> None:
+        """Hold FSDP2 units' weights and gradients ``way`` (``"fast"``, ``"lean"``) from the next step on."""
+        assert self._stages is not None
+        self._stages.set_lean(way == "lean")
 
     def run_neighbours(self, stage_of: Callable[[int], DiffusionStage]) -> NeighbourStats:
         """Drive this process's stage ``stage_of(pp_rank)`` of the diffusion protocol, point-to-point to neighbours."""

@@ -112,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     gpt_arguments(parser, layers=8, batch_help="per replica")
     # weights, gradients and optimizer state dominate (16 blocks a stage, short sequences): what sharding is for
-    parser.set_defaults(layers=32, hidden=512, block=16, batch=4)
+    parser.set_defaults(layers=32, hidden=512, block=16, batch=4, steps=10)
     parser.add_argument("--out", default="docs/bench/data_parallel.json")
     args = parser.parse_args()
     serve_large_blocks_from_mappings()  # before anything is allocated: freed tensors leave the resident set at once

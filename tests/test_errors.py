@@ -111,6 +111,24 @@ def test_bad_strategy_arguments(kwargs, match):
         DynMoStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"fsdp_memory": "tiny"}, r"strategy.fsdp_memory='tiny' is not one of \['fast', 'lean', 'auto'\]"),
+        ({"fsdp_memory": "lean"}, r"only data_parallel='fsdp' does: set strategy.data_parallel='fsdp'"),
+        ({"fsdp_memory": "auto", "data_parallel": "replicate"}, r"got data_parallel='replicate'"),
+        (
+            {"fsdp_memory": "lean", "data_parallel": "fsdp", "schedule": "zbv", "stages_per_rank": 2},
+            r"fsdp_memory='lean' with strategy.schedule='zbv': a split backward",
+        ),
+    ],
+)
+def test_fsdp_memory_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DynMoStrategy(**kwargs)
+    DynMoStrategy(fsdp_memory="lean", data_parallel="fsdp")  # what it is for
+
+
 def test_interleaved_schedule_constraints():
     from dynmo_lightning.pipeline.runtime import check_schedule
 

@@ -135,14 +135,15 @@ def _one_layer_bytes(stack: Stack, i: int, x: Any, target: Tensor, recompute: bo
     y, cost = _profiled_step(stack, stage, profiler, i, x, target)
     last = i == stack.n_layers - 1
     loss_target = target if last else None  # the loss only on the last layer
-    workspace = _backward_peak(stage, x, loss_target, stack) - grads
+    first, again = _backward_peaks(stage, x, loss_target, stack)
     # (activation checkpointing does not run under the split backward: strategy.activation_checkpointing)
     split = i > 0 and not recompute
     split_extra = _split_extra(stage, x, loss_target, stack) if split else 0.0
     activations = cost.activation_bytes + (_loss_held(y, target, stack) if last else 0)
     inputs = sum(t.numel() * t.element_size() for t in x if t.is_floating_point())
-    layer = LayerBytes(params, grads, 2 * grads, activations, cost.recompute_bytes, inputs,
-                       workspace, split_extra, cost.weight_copies_bytes)  # fmt: skip
+    # every weight copy here is autocast's cast (no FSDP2): its gradient is the copy's size (LayerBytes.cast_grads)
+    layer = LayerBytes(params, grads, 2 * grads, activations, cost.recompute_bytes, inputs, first - grads, split_extra,
+                       cost.weight_copies_bytes, cast_grads=cost.weight_copies_bytes, workspace_again=again, outputs=_size(y))  # fmt: skip
     return layer, y
 
 
@@ -181,22 +182,40 @@ def _loss_held(y: Any, target: Tensor, stack: Stack) -> int:
     return held
 
 
+def _size(y: Any) -> int:
+    """Bytes of the tensors of a layer's output."""
+    return sum(t.numel() * t.element_size() for t in as_tuple(y) if isinstance(t, Tensor))
+
+
 def _total(tracker: MemTracker, kind: str) -> int:
     return max((sum(v for k, v in snap.items() if k != "Total") for snap in tracker.get_tracker_snapshot(kind)
                 .values()), default=0)  # fmt: skip
 
 
-def _backward_peak(stage: nn.Module, x: tuple[Tensor, ...], target: Tensor | None, stack: Stack) -> int:
-    """The most bytes a layer's whole backward holds at once that it allocated itself (its gradients included)."""
-    out, grads = _outputs(stage, x, target, stack)
-    tracker = _tracker()  # knows nothing of the forward's tensors: it sees what the backward allocates
-    tracker.track_external(*(g for g in grads or []))
-    base = _total(tracker, "current")
-    with tracker:
-        stage_backward(out[0] if grads is None else out, grads, list(x))
+def _backward_peaks(stage: nn.Module, x: tuple[Tensor, ...], target: Tensor | None, stack: Stack) -> tuple[int, int]:
+    """The most a layer's whole backward holds at once above what its forward left: as a step's first, and again.
+
+    The forward is tracked too, so that what the backward frees of it (its activations) offsets what it allocates,
+    as in the stage. The first backward (its gradients included, made by it) runs from a forward that casts the
+    weights anew, as a stage's first micro-batch does; the second adds to the gradients the first made, from a
+    forward that finds the casts in autocast's cache, as every later micro-batch of a step does
+    (:attr:`LayerBytes.cast_grads`).
+    """
+    torch.clear_autocast_cache()
+    peaks = []
+    for _ in range(2):
+        tracker = _tracker()
+        tracker.track_external(stage, *x)  # the layer's weights and gradients, its input
+        with tracker:
+            out, grads = _outputs(stage, x, target, stack)
+        with tracker:  # entered again: the peak starts from here
+            before = _total(tracker, "current")
+            stage_backward(out[0] if grads is None else out, grads, list(x))
+            peaks.append(_total(tracker, "peak") - before)
+        del out, grads
     for p in stage.parameters():
         p.grad = None
-    return _total(tracker, "peak") - base
+    return peaks[0], peaks[1]
 
 
 def _split_extra(stage: nn.Module, x: tuple[Tensor, ...], target: Tensor | None, stack: Stack) -> int:
@@ -336,9 +355,9 @@ def _run(
             x = _stage_inputs(recv, s, mb, inputs0)
             y = module(*x)
             out = _stage_ends(stack, y, target, s == n_stages - 1)
-            cache[(s, mb)] = (out, list(x))
+            cache[(s, mb)] = (out, list(x), y)  # the output too, as torch's stage keeps it (``fwd_cache``)
             continue
-        out, x = cache[(s, mb)] if kind != "W" else (None, None)
+        out, x, _ = cache[(s, mb)] if kind != "W" else (None, None, None)
         g = None if s == n_stages - 1 else list(grads[s][mb])
         with_grad = _needing_grad(x)
         if kind == "B" or (kind == "I" and not with_grad):  # no input gradient: the whole backward at once

@@ -250,6 +250,8 @@ class DynMoBalancer(Callback):
             strategy.layer_param_counts,
             strategy.pipeline_nodes,
             strategy.waiting,
+            strategy.fsdp_memory_in_force,
+            strategy.fsdp_memory == "auto",
         )
 
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: PipelineControl) -> None:
@@ -267,6 +269,9 @@ class DynMoBalancer(Callback):
         # Decided once, by global rank 0, for every process of the job: the inputs agree (costs are gathered), but
         # the bandwidth estimate is each process's own timing, and a split decision would deadlock the migration.
         decisions = strategy.broadcast(decisions)
+        way = decisions[0].info.get("fsdp_memory")
+        if way == "lean":  # before layers move: the split planned fits the lean way only
+            self._switch_fsdp_memory(trainer, strategy, way)
         for decision in decisions:
             if decision.action == REPACK:
                 self._consolidate(trainer, pl_module, strategy, decision)
@@ -274,6 +279,17 @@ class DynMoBalancer(Callback):
                 self._grow(trainer, pl_module, strategy, decision)
             else:
                 self._migrate(trainer, pl_module, strategy, decision, plan_s)
+        if way == "fast":  # after layers moved: the split planned fits the fast way
+            self._switch_fsdp_memory(trainer, strategy, way)
+
+    def _switch_fsdp_memory(self, trainer: pl.Trainer, strategy: PipelineControl, way: str) -> None:
+        """Hold FSDP2 units' weights and gradients ``way`` from the next step on (``fsdp_memory="auto"``)."""
+        if way == strategy.fsdp_memory_in_force:
+            return
+        strategy.set_fsdp_memory(way)
+        self.history.append({"step": trainer.global_step, "fsdp_memory": way})
+        rank_zero_info(f"DynMo: FSDP2 units run the {way} way from step {trainer.global_step} on "
+                       f"(strategy.fsdp_memory='auto', balancer.memory_capacity={self.settings.memory_capacity})")
 
     def _migrate(
         self,

@@ -17,6 +17,10 @@ Sparsity follows ``s_t = s_f + (s_0 - s_f) * (1 - (t - t0) / (n * dt)) ** 3`` fr
   found by bisection with all-reduced counts on the device (:func:`global_magnitude_threshold`): no process sees
   another's weights.
 
+Compiled layers (``torch.compile``) follow the shapes: from setup to teardown of a structured pruning, dynamo treats
+parameter shapes as it does other tensors' (automatic dynamic shapes, :func:`_parameter_shapes_static`), so a block
+compiles once more when a prune first changes its widths, not once per prune and width.
+
 Shapes live in the layer's parameters, so a pruned layer migrates pruned and a checkpoint resumes pruned (the GPT's
 modules take their shapes from the checkpoint before its values). Decisions that span stages (global scores) are
 gathered from every process, so all stages prune the same units.
@@ -127,6 +131,7 @@ class GradualPruning(Callback):
         #: Sparsity last applied.
         self.sparsity = 0.0
         self._masks: list[tuple[nn.Parameter, Tensor]] = []
+        self._static_shapes: dict[str, bool] | None = None  # dynamo's settings before setup changed them
 
     @classmethod
     def from_settings(cls, settings: PruningSettings, **overrides: Any) -> Self:
@@ -161,6 +166,14 @@ class GradualPruning(Callback):
         if control is not None:
             self.pipeline_check_job(JobShape(control.world_size, control.pp_size, control.stages_per_rank, None,
                                              control.data_parallel, control.tensor_parallel_size))  # fmt: skip
+        if self.settings.mode == "structured" and self._static_shapes is None:
+            self._static_shapes = _parameter_shapes_static(False)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._static_shapes is not None:
+            _parameter_shapes_static(self._static_shapes)
+            self._static_shapes = None
 
     def sparsity_at(self, step: int) -> float:
         """Target sparsity after ``step`` optimizer steps."""
@@ -336,6 +349,26 @@ def _top(scores: Sequence[float], k: int) -> list[int]:
     """Ascending indices of the ``k`` largest scores (ties to the lower index)."""
     order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
     return sorted(order[:k])
+
+
+#: Dynamo's settings that keep the shapes of parameters and of built-in modules' tensors (``nn.Linear``'s) static.
+_STATIC_SHAPES = ("force_parameter_static_shapes", "force_nn_module_property_static_shapes")
+
+
+def _parameter_shapes_static(static: bool | dict[str, bool]) -> dict[str, bool]:
+    """Set dynamo's :data:`_STATIC_SHAPES` (a dict: each to its value); returns what they were.
+
+    By default ``torch.compile`` takes every parameter's shape as fixed, so a layer compiled before a prune compiles
+    again for each width it is pruned to: one graph per prune and block, until dynamo's recompile limit (8 graphs
+    of ``Block.forward``) makes every block eager. Not static, they are like other tensors' (automatic dynamic
+    shapes): a dimension keeps its size in the graph until a prune changes it, then one graph with that size
+    dynamic serves every later width (sizes 0 and 1 apart, which dynamo specialises).
+    """
+    config = torch._dynamo.config
+    before = {name: getattr(config, name) for name in _STATIC_SHAPES if hasattr(config, name)}
+    for name in before:
+        setattr(config, name, static[name] if isinstance(static, dict) else static)
+    return before
 
 
 def _prunable_weights(pl_module: pl.LightningModule) -> list[nn.Parameter]:

@@ -70,6 +70,8 @@ class PipelineControl(Protocol):
     data_parallel: str
     #: Processes every stage is split over (tensor parallelism; 1: none).
     tensor_parallel_size: int
+    #: How FSDP2 units hold a step's weights and gradients, as set: ``"fast"``, ``"lean"`` or ``"auto"``.
+    fsdp_memory: str
 
     @property
     def world_size(self) -> int:
@@ -154,6 +156,18 @@ class PipelineControl(Protocol):
 
     def repartition(self, layers_per_stage: list[int]) -> Any:
         """Move layers to a new split (collective); returns what moved."""
+        ...
+
+    @property
+    def fsdp_memory_in_force(self) -> str:
+        """How FSDP2 units hold a step's weights and gradients now: ``"fast"`` or ``"lean"``."""
+        ...
+
+    def set_fsdp_memory(self, way: str) -> None:
+        """Hold FSDP2 units' weights and gradients ``way`` (``"fast"``, ``"lean"``) from the next step on.
+
+        Every process of the job must switch alike (the balancer decides for all of them).
+        """
         ...
 
     def shrink(

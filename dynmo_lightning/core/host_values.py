@@ -7,7 +7,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+#: Why :func:`host_value` and :func:`has_host_value` run eagerly inside a compiled layer.
+_OUT_OF_GRAPHS = (
+    "a host value is host state: traced, dynamo would guard on the cached float and the buffer's version counter and "
+    "compile again after every write (a threshold schedule: every step, until its recompile limit)"
+)
 
+
+@torch.compiler.disable(reason=_OUT_OF_GRAPHS)
 def host_value(module: nn.Module, name: str) -> float:
     """The value of the scalar buffer ``module.<name>`` as a Python float, read from the device only when it changed.
 
@@ -15,8 +22,12 @@ def host_value(module: nn.Module, name: str) -> float:
     reading a GPU buffer each forward stalls the stream. The value is cached with the buffer object and its version
     counter (bumped by every in-place write, ``load_state_dict`` included), so a forward reads the device only after
     something else wrote the buffer; :func:`set_host_value` writes without a read.
+
+    Inside a compiled layer (``torch.compile``) it runs eagerly, as a graph break: the value enters the rest of the
+    compiled code as an input, so a new value compiles nothing by itself (a branch it decides or a size it gives may,
+    the first time), and nothing is read from the device that an eager step would not read.
     """
-    if has_host_value(module, name):
+    if _known(module, name):
         return module.__dict__["_host_values"][name][2]
     buffer = getattr(module, name)
     value = float(buffer)  # the one read after an outside write
@@ -24,8 +35,13 @@ def host_value(module: nn.Module, name: str) -> float:
     return value
 
 
+@torch.compiler.disable(reason=_OUT_OF_GRAPHS)
 def has_host_value(module: nn.Module, name: str) -> bool:
     """Whether the host knows the current value of the scalar buffer ``module.<name>`` (no read would follow)."""
+    return _known(module, name)
+
+
+def _known(module: nn.Module, name: str) -> bool:
     buffer = getattr(module, name)
     cached = module.__dict__.get("_host_values", {}).get(name)
     return cached is not None and cached[0] is buffer and cached[1] == buffer._version

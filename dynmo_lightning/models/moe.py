@@ -395,10 +395,57 @@ def _grouped_linear(x: Tensor, linears: list[nn.Linear], expert: Tensor, offsets
     dtype = _gemm_dtype(x)
     weight = _experts_tensor([lin.weight for lin in linears], dtype).transpose(1, 2)  # (E, in, out): x @ W.T
     x = torch.where(keep[:, None], x, 0.0)
-    out = F.grouped_mm(x.to(dtype), weight, offs=offsets)
+    out = _grouped_mm(x.to(dtype), weight, offsets)
     if linears[0].bias is not None:
         out = out + _experts_tensor([lin.bias for lin in linears], out.dtype).index_select(0, expert)
     return torch.where(keep[:, None], out, 0.0)
+
+
+def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """``F.grouped_mm(a, b, offs=offs)``; under ``torch.compile`` outside bf16, as the opaque :func:`grouped_mm_op`.
+
+    Dynamo runs every op on fake tensors first, and torch's fake ``grouped_mm`` accepts bf16 only (its checks are
+    the CUDA kernel's), while the CPU kernel also runs fp32: traced in place, a compiled fp32 MoE layer fails. In bf16
+    the op stays visible to the compiler (which has kernels of its own for it on GPUs); eager calls are unchanged.
+    """
+    if torch.compiler.is_compiling() and not a.dtype == b.dtype == torch.bfloat16:
+        return grouped_mm_op(a, b, offs)
+    return F.grouped_mm(a, b, offs=offs)
+
+
+@torch.library.custom_op("dynmo::grouped_mm", mutates_args=())
+def grouped_mm_op(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """``F.grouped_mm(a, b, offs=offs)`` as an op of its own, with a fake implementation for any dtype.
+
+    ``a`` is ``(M, K)`` with its rows grouped by ``offs`` (the groups' ends); ``b`` is ``(E, K, N)`` (one matrix a
+    group: ``(M, N)`` out), or ``(M, N)`` with ``offs`` grouping the contraction (the weights' gradient: ``(E, K, N)``
+    out, ``a`` then ``(K, M)``).
+    """
+    return F.grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm_op.register_fake
+def _grouped_mm_shape(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
+
+
+def _grouped_mm_save(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    # Per group g: out_g = a_g @ b_g, so grad a_g = grad_g @ b_g.T and grad b_g = a_g.T @ grad_g (offs then group the
+    # contraction). The kernel refuses broadcast gradients (zero strides): contiguous.
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_a = grouped_mm_op(grad, b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+    grad_b = grouped_mm_op(a.transpose(0, 1), grad, offs) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_save)
 
 
 #: Each block's cast under autocast, by its first parameter: made once and shared by the calls of a step, as

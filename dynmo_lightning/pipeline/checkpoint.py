@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import zipfile
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
@@ -234,7 +237,9 @@ class AtomicCheckpointIO(_WrappingCheckpointIO):
 
     A crash (or a lost process) mid-write never leaves a half-written checkpoint where the previous one was. Paths
     with a URL scheme (``s3://``, ...) are written directly: renaming is the storage's business there. Reading
-    turns an unreadable file into an error that says what to do.
+    turns an unreadable file into an error that says what to do; a local file written by Lightning's
+    ``TorchCheckpointIO`` is mapped, not read (``torch.load(mmap=True)``): a process resuming one stage of a large
+    model reads only its own layers' tensors from it, instead of holding the whole model.
     """
 
     @override
@@ -252,7 +257,9 @@ class AtomicCheckpointIO(_WrappingCheckpointIO):
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None, **kwargs: Any) -> dict[str, Any]:
         assert self.checkpoint_io is not None
         try:
-            checkpoint = self.checkpoint_io.load_checkpoint(path, map_location=map_location, **kwargs)
+            checkpoint = self._mapped(path, kwargs.get("weights_only"))
+            if checkpoint is None:
+                checkpoint = self.checkpoint_io.load_checkpoint(path, map_location=map_location, **kwargs)
         except FileNotFoundError:
             raise
         except pickle.UnpicklingError as e:  # the loader refused what the file asked for: say so, not "truncated"
@@ -266,3 +273,14 @@ class AtomicCheckpointIO(_WrappingCheckpointIO):
         if "state_dict" not in checkpoint:
             raise ValueError(f"ckpt_path={os.fspath(path)} has no 'state_dict': not a training checkpoint")
         return checkpoint
+
+    def _mapped(self, path: _PATH, weights_only: bool | None) -> dict[str, Any] | None:
+        """The checkpoint at a local ``path`` mapped into memory (its tensors read where used); ``None`` otherwise.
+
+        Only for Lightning's own ``TorchCheckpointIO`` (another one may read differently) and a file of torch's zip
+        format (the one ``torch.save`` writes; an older one is read the wrapped way).
+        """
+        target = os.fspath(path)
+        if type(self.checkpoint_io) is not TorchCheckpointIO or "://" in target or not zipfile.is_zipfile(target):
+            return None
+        return torch.load(target, map_location="cpu", weights_only=weights_only is not False, mmap=True)

@@ -7,6 +7,10 @@ layer) stay eager, so each composes with a compiled layer as with an eager one. 
 code (dynamo caches per code object and guards on the module's type and attributes, not its identity), which
 :func:`graphs` counts.
 
+A layer dynamo gives up on is never eager in silence: past dynamo's recompile limit (8 graphs of one function, e.g.
+``Block.forward``) dynamo runs that function eagerly wherever no compiled graph fits, and says so only in its log;
+the layer whose call hit the limit is then named in a ``RuntimeWarning`` with dynamo's reason (:func:`compile_layer`).
+
 A compiled forward does not pickle: a migrating layer travels without it (:func:`reduce_compiled`) and is compiled
 again on arrival. Under the zero-bubble schedules a compiled layer's backward is one AOTAutograd graph, which cannot
 run as separate input and weight parts: those stages run their backward whole in the input pass (the schedule's
@@ -15,7 +19,10 @@ order stands; its weight tasks are empty for them).
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,12 +88,73 @@ def _cudagraphs(options: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def compile_layer(layer: nn.Module, options: dict[str, Any]) -> None:
-    """Compile ``layer``'s ``forward`` in place (once: a compiled layer is left as it is)."""
+def compile_layer(layer: nn.Module, options: dict[str, Any], name: str | None = None) -> None:
+    """Compile ``layer``'s ``forward`` in place (once: a compiled layer is left as it is).
+
+    Args:
+        layer: the module whose ``forward`` is compiled.
+        options: ``torch.compile``'s keyword arguments (:func:`check_options`).
+        name: what a warning calls the layer, e.g. its pipeline index (default: its class's name).
+    """
     if getattr(layer, COMPILED, None) is not None:
         return
-    layer.forward = torch.compile(layer.forward, **options)  # type: ignore[method-assign]
+    _watch_dynamo()
+    compiled = torch.compile(layer.forward, **options)
+    layer.forward = _named(compiled, name or type(layer).__name__)  # type: ignore[method-assign]
     setattr(layer, COMPILED, dict(options))
+
+
+def _named(compiled: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``compiled``, which says while it runs that layer ``name`` is running (for :class:`_GiveUpWarning`)."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        global _running
+        outer, _running = _running, name
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            _running = outer
+
+    return forward
+
+
+#: The compiled layer whose forward runs now (its name), if any: dynamo compiles a frame inside the call that runs it.
+_running: str | None = None
+
+#: The logger of dynamo's frame conversion, where it says that it hit a recompile limit (torch 2.9 to 2.13).
+_DYNAMO_LOG = "torch._dynamo.convert_frame"
+
+
+class _GiveUpWarning(logging.Filter):
+    """Turns dynamo's "hit config.recompile_limit" log record into a warning that names the running layer.
+
+    Dynamo logs it once per function that hits the limit (and only logs it): from then on the function runs eagerly
+    wherever none of its graphs fits. A filter (it lets every record through) sees the record inside the call of the
+    layer whose forward hit the limit, also where the limit is that of a function it calls or of a resumption after a
+    graph break.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _running is not None and str(record.msg).startswith("torch._dynamo hit config."):
+            # "torch._dynamo hit config.recompile_limit (8)", "function: 'forward' (file:line)", "last reason: ..."
+            limit, function, reason, *_ = (*(line.strip() for line in record.getMessage().splitlines()), "", "")
+            warnings.warn(
+                f"torch.compile gave up on layer {_running}, which runs eagerly from now on wherever none of its "
+                f"compiled graphs fits: dynamo {limit.removeprefix('torch._dynamo ')}, {function}; {reason}",
+                RuntimeWarning,
+                stacklevel=1,  # the caller is logging's machinery
+            )
+        return True
+
+
+_GIVE_UP = _GiveUpWarning()
+
+
+def _watch_dynamo() -> None:
+    """Have :class:`_GiveUpWarning` watch dynamo's log (once)."""
+    log = logging.getLogger(_DYNAMO_LOG)
+    if _GIVE_UP not in log.filters:
+        log.addFilter(_GIVE_UP)
 
 
 def is_compiled(layer: nn.Module) -> bool:

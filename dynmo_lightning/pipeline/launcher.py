@@ -143,8 +143,8 @@ def _check_tensor_parallel_replicas(tensor_parallel_size: int, data_parallel_siz
         )
 
 
-#: ``DynMoStrategy(fsdp_memory=...)``: gather and reduce once per step, or per micro-batch.
-FSDP_MEMORY = ("fast", "lean")
+#: ``DynMoStrategy(fsdp_memory=...)``: gather and reduce once per step, per micro-batch, or as the balancer finds.
+FSDP_MEMORY = ("fast", "lean", "auto")
 
 
 def check_fsdp_memory(fsdp_memory: Any, data_parallel: str, schedule: str) -> None:
@@ -155,18 +155,18 @@ def check_fsdp_memory(fsdp_memory: Any, data_parallel: str, schedule: str) -> No
     """
     if fsdp_memory not in FSDP_MEMORY:
         raise ValueError(f"strategy.fsdp_memory={fsdp_memory!r} is not one of {list(FSDP_MEMORY)}")
-    if fsdp_memory == "lean" and data_parallel != "fsdp":
+    if fsdp_memory != "fast" and data_parallel != "fsdp":
         raise ValueError(
-            f"strategy.fsdp_memory='lean' shards gradients per micro-batch, which only data_parallel='fsdp' does: "
-            f"set strategy.data_parallel='fsdp', or leave strategy.fsdp_memory='fast' (got "
+            f"strategy.fsdp_memory={fsdp_memory!r} shards gradients per micro-batch, which only data_parallel='fsdp' "
+            f"does: set strategy.data_parallel='fsdp', or leave strategy.fsdp_memory='fast' (got "
             f"data_parallel={data_parallel!r})"
         )
-    if fsdp_memory == "lean" and schedule in SPLIT_BACKWARD:
+    if fsdp_memory != "fast" and schedule in SPLIT_BACKWARD:
         # the input pass would free the gathered weights its own weight pass still needs
         raise ValueError(
-            f"strategy.fsdp_memory='lean' with strategy.schedule={schedule!r}: a split backward computes the "
-            "weights' gradients in a later pass, after the per-micro-batch reduction. Use a schedule without a split "
-            "backward ('1f1b', 'gpipe', 'interleaved_1f1b'), or strategy.fsdp_memory='fast'"
+            f"strategy.fsdp_memory={fsdp_memory!r} with strategy.schedule={schedule!r}: a split backward computes "
+            "the weights' gradients in a later pass, after the per-micro-batch reduction. Use a schedule without a "
+            "split backward ('1f1b', 'gpipe', 'interleaved_1f1b'), or strategy.fsdp_memory='fast'"
         )
 
 

@@ -124,6 +124,18 @@ class StageSharding:
         param_dtype = torch.bfloat16 if bf16 and mode in FSDP_MODES else None
         return cls(mode, mesh, device, param_dtype, tensor_parallel, lean=mode == "fsdp" and fsdp_memory == "lean")
 
+    def set_lean(self, lean: bool, layers: Iterable[nn.Module]) -> None:
+        """Run ``fsdp_memory="lean"`` (or ``"fast"``) from the next step on, with this process's ``layers``.
+
+        Stage roots are made again with the next schedule (the runtime's ``invalidate``), and every unit gathers and
+        frees its weights per forward from now on (or keeps them for the step).
+        """
+        self.lean = lean and self.mode == "fsdp"
+        for layer in layers:
+            for unit in layer.modules():
+                if is_unit(unit):
+                    unit.set_reshard_after_forward(self.lean, recurse=False)
+
     @property
     def units(self) -> bool:
         """Whether layers are FSDP2 / replicate units (``"fsdp"``, ``"replicate"``)."""
@@ -221,25 +233,33 @@ class StageSharding:
         """What a training step holds of ``layer`` beyond its weights and optimizer state, as FSDP2 runs it.
 
         ``grad_bytes``: its gradients from the stage's first backward to the end of the step; ``gathered_bytes``:
-        what it holds only while it runs. Not units (DDP, tensor parallelism alone): this process's gradients,
-        nothing gathered. FSDP2 / replicate units under a pipeline, gradient sync off until the last micro-batch
-        (``fsdp_memory="fast"``, and units that may leave a parameter unused): the gathered layer's whole gradients
-        in the reduction dtype (float32 under bf16-mixed), held from the first backward on; the gathered weights are
-        the profiler's weight copies, held for the step. ``"lean"``: the gradient's shard (accumulated reductions),
-        and while the layer runs its gathered weights, its whole gradient and the reduce-scatter's buffers.
+        what it holds only while it runs; ``weight_copies_bytes``: gathered weights held for the step. Not units
+        (DDP, tensor parallelism alone): this process's gradients, nothing gathered (the weight copies are the
+        profiler's: autocast's). FSDP2 / replicate units under a pipeline, gradient sync off until the last
+        micro-batch (``fsdp_memory="fast"``, and units that may leave a parameter unused): the gathered layer's whole
+        gradients in the reduction dtype (float32 under bf16-mixed) from the first backward on, and its gathered
+        weights for the whole step. ``"lean"``: the gradient's shard (accumulated reductions), and while the layer
+        runs its gathered weights, its whole gradient and the reduce-scatter's buffers. A unit that can run either
+        way also gets both ways' numbers (``fast_*``, ``lean_*``): the balancer chooses under
+        ``fsdp_memory="auto"``.
         """
         trained = [p for p in layer.parameters() if p.requires_grad]
         if not self.units or not is_unit(layer):
             return {"grad_bytes": sum(local(p).numel() * p.element_size() for p in trained), "gathered_bytes": 0}
-        reduce = torch.empty((), dtype=torch.float32 if self.param_dtype else trained[0].dtype).element_size() \
-            if trained else 0  # fmt: skip
+        params = list(layer.parameters())
+        reduce = _itemsize(torch.float32 if self.param_dtype else params[0].dtype) if params else 0
+        compute = _itemsize(self.param_dtype) if self.param_dtype else reduce
         whole = sum(_gathered_numel(p) for p in trained)
-        if not self.lean or may_leave_parameters_unused(layer):
-            return {"grad_bytes": whole * reduce, "gathered_bytes": 0}
-        compute = torch.empty((), dtype=self.param_dtype).element_size() if self.param_dtype else reduce
         shards = sum(local(p).numel() for p in trained)
-        gathered = sum(_gathered_numel(p) for p in layer.parameters()) * compute + whole * (compute + reduce)
-        return {"grad_bytes": shards * reduce, "gathered_bytes": gathered + shards * reduce, "weight_copies_bytes": 0}
+        weights = sum(_gathered_numel(p) for p in params) * compute
+        fast = {"grad_bytes": whole * reduce, "gathered_bytes": 0, "weight_copies_bytes": weights}
+        lean = {"grad_bytes": shards * reduce, "gathered_bytes": weights + whole * (compute + reduce) + shards * reduce,
+                "weight_copies_bytes": 0}  # fmt: skip
+        if self.mode != "fsdp" or may_leave_parameters_unused(layer):  # reduced once per step, whatever the setting
+            return fast
+        both = {"fast_grad_bytes": fast["grad_bytes"], "fast_copies_bytes": weights,
+                "lean_grad_bytes": lean["grad_bytes"], "lean_gathered_bytes": lean["gathered_bytes"]}  # fmt: skip
+        return {**(lean if self.lean else fast), **both}
 
     @staticmethod
     def forget_root(modules: Iterable[nn.Module]) -> None:
@@ -318,6 +338,10 @@ class StageSharding:
         # assign: no copy; strict=False: the buffers stay the received ones (not in ``state``)
         module.load_state_dict(state, strict=False, assign=True)
         return module
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _gathered_numel(p: Tensor) -> int:

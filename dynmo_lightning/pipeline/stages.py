@@ -299,6 +299,11 @@ class LocalStages:
         release_cached_memory(self.device)  # the layers that left: their blocks back to the device
         return stats
 
+    def set_lean(self, lean: bool) -> None:
+        """Run FSDP2 units the lean way (``fsdp_memory="lean"``) or the fast way from the next step on."""
+        self.runtime.invalidate()  # stage roots are made again with the next schedule
+        self.sharding.set_lean(lean, (self.slots.get(i) for i in self.slots.local_indices()))
+
     def _drop_stages(self) -> None:
         """Forget the built stages before layers move: their buffers, and the root the units ran under, go."""
         self.runtime.invalidate()

@@ -56,7 +56,9 @@ class StrategySettings:
     communication). ``"lean"``: weights are gathered for every forward and backward and freed after them, and
     gradients reduce-scattered after every micro-batch's backward, so a process holds one layer's gathered weights
     and whole gradient at a time, its shards otherwise (``2M`` all-gathers and ``M`` reduce-scatters per layer and
-    step instead of one each; schedules without a split backward). docs/memory.md says which to choose when."""
+    step instead of one each; schedules without a split backward). ``"auto"``: fast, unless the balancer finds that
+    no split fits its ``memory_capacity`` that way but one fits the lean way; back to fast once one fits again.
+    docs/memory.md says which to choose when."""
     tensor_parallel_size: int = 1
     """Processes every stage is split over (tensor parallelism, innermost in the job's mesh: consecutive ranks). Each
     pipeline layer is split by the model's ``pipeline_parallelize_layer(index, layer, tp_mesh)`` hook, or by the
@@ -79,8 +81,9 @@ class StrategySettings:
     k-th layer) or ``(index, layer) -> bool`` (docs/activation_checkpointing.md)."""
     compile: bool | dict[str, Any] = False
     """Compile every pipeline layer's ``forward`` in place with ``torch.compile`` (a dict: its options, e.g.
-    ``{"mode": "max-autotune"}``); names, optimizer groups and checkpoint keys stay the model's, a layer that
-    migrates is compiled on arrival (``pipeline/compiled.py``)."""
+    ``{"mode": "max-autotune-no-cudagraphs"}``; options that turn on CUDA graphs are refused); names, optimizer
+    groups and checkpoint keys stay the model's, a layer that migrates is compiled on arrival
+    (``pipeline/compiled.py``)."""
 
     def __post_init__(self) -> None:
         launcher.check_arguments(

@@ -3,6 +3,7 @@ staged migrations, and the policy refusing what would not fit (injected capaciti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from support.brute import compositions
 
 from dynmo_lightning.balance import BalancePolicy
 from dynmo_lightning.balance.decision.policy import KEEP, MIGRATE, PipelineShape
+from dynmo_lightning.balance.split.fit import InfeasibleMemoryError
 from dynmo_lightning.balance.steptime.makespan import rank_orders
 from dynmo_lightning.balance.steptime.memory_model import LayerBytes, MemoryCheck, MemoryModel, additive
 from dynmo_lightning.balance.steptime.planner import StepModel, even_memory, makespan_split
@@ -161,3 +163,42 @@ def test_even_memory_reaches_the_even_split_brute_force_finds(costs, acts, n_sta
     assert model(even) <= 1.03 * t * (1 + 1e-9)
     if best <= 1.15:
         assert check.spread(even) <= 1.15
+
+
+# --- FSDP2's two ways: fast (whole gradients and gathered weights for the step) and lean (one layer at a time) ------
+def _two_ways_policy(capacity: float) -> BalancePolicy:
+    """8 equal FSDP2 units (weights 1, state 2 as shards): fast holds gradients 4 and weights 2 gathered for the
+    step; lean holds gradients 2 and, while a layer runs, 6 (its gathered weights, gradient, reduction)."""
+    policy = BalancePolicy(method="optimal", every_n_steps=1, warmup_steps=0, memory_capacity=capacity)
+    way = {"fast_grad_bytes": 4.0, "fast_copies_bytes": 2.0, "lean_grad_bytes": 2.0, "lean_gathered_bytes": 6.0}
+    policy.start(8).update({i: {"fwd": 1.0, "bwd": 2.0, "param_bytes": 1.0, "optim_bytes": 2.0, "grad_bytes": 4.0,
+                                "weight_copies_bytes": 2.0, **way} for i in range(8)})  # fmt: skip
+    return policy
+
+
+def test_each_way_is_priced_as_it_holds_a_step():
+    tracker = _two_ways_policy(1e9).tracker
+    assert tracker is not None
+    fast, lean, measured = tracker.layer_memory("fast")[0], tracker.layer_memory("lean")[0], tracker.layer_memory()[0]
+    assert (fast.grads, fast.copies, fast.gathered) == (4.0, 2.0, 0.0) and measured == fast  # measured the fast way
+    assert (lean.grads, lean.copies, lean.gathered, lean.backward) == (2.0, 0.0, 6.0, 6.0)
+    one_stage = [MemoryModel(tracker.layer_memory(way), "gpipe", 1, 1).peaks([8])[0] for way in ("fast", "lean")]
+    assert one_stage == [8 * (1 + 2 + 2) + 8 * 4, 8 * (1 + 2) + 8 * 2 + 6]  # static + held gradients (+ one layer)
+
+
+@pytest.mark.parametrize(("capacity", "way"), [(1e9, "fast"), (30.0, "lean"), (10.0, "fast")])
+def test_auto_runs_fast_where_a_split_fits_that_way_else_lean(capacity, way):
+    """Two stages: the best fast split peaks at 36 (4 layers x 9), the lean one at 26; neither fits 10 (kept)."""
+    policy = _two_ways_policy(capacity)
+    pipe = PipelineShape([4, 4], 2, 2, schedule="gpipe", fsdp_memory="fast", fsdp_memory_auto=True)
+    assert policy.choose_fsdp_memory(pipe) == way
+    if capacity == 10.0:  # nothing fits either way: the way in force stays, and planning says why
+        with pytest.raises(InfeasibleMemoryError, match="no split of the 8 layers over 2 stages fits"):
+            policy.decide(pipe)
+        return
+    assert policy.decide(pipe)[0].info["fsdp_memory"] == way
+    if way == "lean":  # priced as measured (fast) when no check chooses the way: nothing fits
+        with pytest.raises(InfeasibleMemoryError):
+            policy.decide(dataclasses.replace(pipe, fsdp_memory_auto=False))
+    else:
+        assert "fsdp_memory" not in policy.decide(dataclasses.replace(pipe, fsdp_memory_auto=False))[0].info

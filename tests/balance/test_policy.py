@@ -60,6 +60,8 @@ class TraceStrategy:
     stages_per_rank = 1
     data_parallel = "ddp"
     tensor_parallel_size = 1
+    fsdp_memory = "fast"
+    fsdp_memory_in_force = "fast"
 
     def __init__(self, trace: list[dict[str, Any]], n_stages: int, bandwidth: float) -> None:
         self.trace, self.bandwidth = trace, bandwidth
@@ -109,6 +111,9 @@ class TraceStrategy:
 
     def grow(self, layers_per_stage: list[int]) -> Any:
         raise AssertionError("nothing waits: no grow")
+
+    def set_fsdp_memory(self, way: str) -> None:
+        raise AssertionError("no FSDP2 units: the way never changes")
 
     def on_layers_changed(self, layers: list[int] | None = None) -> None:
         pass

@@ -8,17 +8,30 @@ its own, as in a run of its own process, so they can be counted; and past the li
 eagerly, silently, so that "compiled" equalled eager trivially (sharing one process's dynamo, the cases before
 early exit gave ``Block.forward`` 8 graphs, and early exit, MoE and ZBV then ran their blocks eagerly).
 
-Known failures (strict ``xfail``, run last: a case that fails ends the launch): early exit recompiles
-``host_value`` at each change of its threshold until the recompile limit (dynamo guards the buffer's version
-counter), and MoE's grouped GEMM does not trace in fp32 on the CPU (torch's fake ``grouped_mm`` wants bf16).
+What used to reach the limit or fail, each also checked in one process in seconds (dynamo without inductor): a
+threshold schedule (early exit) recompiled ``host_value`` at every change (dynamo guarded the threshold buffer's
+version counter); MoE's grouped GEMM did not trace in fp32 (torch's fake ``grouped_mm`` wants bf16); and every prune
+gave every block a graph of its widths (parameter shapes were static). A layer dynamo gives up on is named in a
+warning.
 """
 
 from __future__ import annotations
 
-import pytest
-from support.helpers import FREEZE, TINY, CliRun, assert_close_losses, launch
+import copy
+import warnings
 
-from dynmo_lightning.pipeline.compiled import check_options
+import lightning.pytorch as L
+import pytest
+import torch
+from support.helpers import FREEZE, TINY, CliRun, assert_close_losses, launch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from dynmo_lightning.callbacks import GradualPruning
+from dynmo_lightning.core.host_values import set_host_value
+from dynmo_lightning.models.blocks import Block
+from dynmo_lightning.models.moe import MoEMLP
+from dynmo_lightning.pipeline.compiled import check_options, compile_layer
 
 STEPS = ["trainer.max_steps=20", "trainer.val_check_interval=null", "trainer.limit_val_batches=0"]
 #: A first compile takes minutes on a loaded CPU while the next rank waits in its first receive: a longer timeout.
@@ -32,7 +45,8 @@ RANDOM = ["balancer=optimal", "balancer.method=random", "balancer.every_n_steps=
 DYNAMICS = {
     "none": [],
     "freezing": FREEZE,
-    "pruning": ["dynamics=pruning", "dynamics.start_step=2", "dynamics.end_step=12", "dynamics.every_n_steps=5"],
+    # seven prunes: with static parameter shapes, past the recompile limit
+    "pruning": ["dynamics=pruning", "dynamics.start_step=2", "dynamics.end_step=14", "dynamics.every_n_steps=2"],
     "early_exit": ["dynamics=early_exit", "dynamics.warmup_steps=2", "dynamics.ramp_steps=4"],
     "moe": ["dynamics=moe", "dynamics.n_experts=4", "dynamics.every=2"],
 }
@@ -43,29 +57,17 @@ RECOMPILE_BOUND = {"none": 0, "freezing": 0, "pruning": 0, "early_exit": 4, "moe
 #: The reference GPT's kinds of layers: the embedding, the block (its copies share one graph) and the head.
 KINDS = 3
 #: Graphs a compiled case may compile on global rank 0 in all: one per kind of layer it held, where a dynamic makes
-#: more kinds: a frozen layer is another (dynamo guards ``requires_grad``), a pruned block too (parameter shapes are
-#: guarded: two prunes of up to 4 blocks), and the changing sizes of early exit and MoE (dense and MoE blocks) once.
+#: more kinds: a frozen layer is another (dynamo guards ``requires_grad``), a pruned block a few (a block's widths
+#: become dynamic when a prune first changes them: its neurons', its heads' if later, sizes 1 specialised), and the
+#: changing sizes of early exit and MoE (dense and MoE blocks) once.
 GRAPHS_AT_MOST = {
     "none": KINDS,
     "zbv": KINDS,
     "freezing": 2 * KINDS,
-    "pruning": KINDS + 2 * 4,
+    "pruning": KINDS + 4,
     "early_exit": 2 * KINDS,
     "moe": 2 * (KINDS + 1),
 }
-#: What fails for now, and why (the module's docstring).
-KNOWN_FAILURES = {
-    "early_exit": "compiled early exit recompiles host_value at every threshold change until dynamo's recompile limit",
-    "moe": "MoE's grouped GEMM does not trace in fp32 on the CPU (torch's fake grouped_mm wants bf16)",
-}
-
-
-def _cases(names: list[str]) -> list[object]:
-    """``names`` as parameters, the known failures marked strict ``xfail`` (a fix makes them fail: unmark them)."""
-    return [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[n])) if n in KNOWN_FAILURES else n
-        for n in names
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("compiled")
     variants = {**{name: [*RANDOM, *dyn] for name, dyn in DYNAMICS.items()}, "zbv": [*RANDOM, *ZBV]}
     cases = {}
-    for name in sorted(variants, key=lambda n: n in KNOWN_FAILURES):  # a case that fails ends the launch: last
+    for name in variants:
         cases[d / f"eager-{name}"] = [*STEPS, *variants[name]]
         cases[d / f"compiled-{name}"] = [*STEPS, *variants[name], "strategy.compile=true"]
     try:
@@ -92,7 +94,7 @@ def _summary(runs, case: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("name", _cases([*DYNAMICS, "zbv"]))
+@pytest.mark.parametrize("name", [*DYNAMICS, "zbv"])
 def test_compiled_layers_train_as_eager_while_they_move(runs, name):
     eager, compiled = _summary(runs, f"eager-{name}"), _summary(runs, f"compiled-{name}")
     assert len(compiled["partitions"]) >= 3  # moved (and compiled again on arrival)
@@ -102,7 +104,7 @@ def test_compiled_layers_train_as_eager_while_they_move(runs, name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("name", _cases([*DYNAMICS, "zbv"]))
+@pytest.mark.parametrize("name", [*DYNAMICS, "zbv"])
 def test_compiled_graphs_are_bounded_by_the_kinds_of_layers(runs, name):
     per_step = _summary(runs, f"compiled-{name}")["compiled_graphs_per_step"]
     # more than none: this case compiled (from a fresh dynamo) and did not run eagerly
@@ -111,7 +113,7 @@ def test_compiled_graphs_are_bounded_by_the_kinds_of_layers(runs, name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("name", _cases(list(DYNAMICS)))
+@pytest.mark.parametrize("name", list(DYNAMICS))
 def test_compiled_layers_do_not_recompile_every_step(runs, name):
     summary = _summary(runs, f"compiled-{name}")
     per_step = summary["compiled_graphs_per_step"]
@@ -128,3 +130,114 @@ def test_compile_options_are_checked():
         check_options({"modes": "x"})
     with pytest.raises(ValueError, match=r"strategy.compile='yes' must be false, true or a dict"):
         check_options("yes")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# In one process, dynamo without inductor (seconds): the causes of the failures above, each on its own.
+
+
+@pytest.fixture
+def strict_dynamo():
+    """A fresh dynamo whose recompile limit is an error (as ``support.strict_compile``), fresh again afterwards."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
+    torch._dynamo.reset()
+
+
+def _graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _blocks(n: int, **kwargs) -> tuple[list[Block], list[Block]]:
+    """``n`` tiny blocks, compiled by dynamo alone (no inductor: the guards are dynamo's), and eager copies."""
+    torch.manual_seed(0)
+    eager = [Block(32, 4, 64, 0.0, True, **kwargs) for _ in range(n)]
+    compiled = copy.deepcopy(eager)
+    for block in compiled:
+        compile_layer(block, {"backend": "eager"})
+    return compiled, eager
+
+
+def test_a_threshold_schedule_compiles_nothing_once_exits_are_on(strict_dynamo):
+    compiled, eager = _blocks(2, early_exit=True)
+    # off (above 1), then a new threshold every step: all below every token's similarity (a hidden state ten times
+    # the blocks' contribution), so the tokens that exit, and the shapes, stay the same
+    thresholds = [2.0, 2.0, *(0.5 + 0.04 * step for step in range(10))]
+    h = 10 * torch.randn(2, 16, 32)
+    graphs = []
+    for threshold in thresholds:
+        states = []
+        for blocks in (compiled, eager):
+            state = (h, torch.ones(2, 16), torch.zeros(2))
+            for block in blocks:
+                block.exit_gate.may_exit = True
+                set_host_value(block.exit_gate, "threshold", threshold)
+                state = block(*state)
+            states.append(state)
+        for c, e in zip(*states, strict=True):
+            torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+        graphs.append(_graphs())
+    assert states[0][1].sum() < h.shape[0] * h.shape[1]  # tokens exited
+    assert graphs[2] > graphs[1] and graphs[3:] == [graphs[2]] * (len(thresholds) - 3), graphs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_moe_layer_runs_its_grouped_gemm_in_fp32_and_bf16(strict_dynamo, dtype):
+    torch.manual_seed(0)
+    eager = MoEMLP(16, 32, 4).to(dtype)
+    compiled = copy.deepcopy(eager)
+    # AOTAutograd traces the backward too (the grouped GEMM's gradients), without inductor's minutes on this CPU
+    compile_layer(compiled, {"backend": "aot_eager"})
+    x, valid = torch.randn(2, 8, 16, dtype=dtype), torch.rand(2, 8) > 0.25
+    assert compiled.masks_on_device(x)  # the grouped path (a mask of real rows: early exit's padding)
+    for _ in range(2):
+        outputs = []
+        for moe in (compiled, eager):
+            y, aux = moe(x, valid)
+            (y.float().square().sum() + aux).backward()
+            outputs.append((y, aux, *(p.grad for p in moe.parameters())))
+        for c, e in zip(*outputs, strict=True):
+            torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+    assert _graphs() == 1
+
+
+def test_pruned_compiled_blocks_share_a_graph_of_dynamic_widths(strict_dynamo):
+    compiled, eager = _blocks(2)
+    pruning = GradualPruning()
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    static = torch._dynamo.config.force_parameter_static_shapes
+    pruning.setup(trainer, L.LightningModule(), "fit")
+    try:
+        x = torch.randn(2, 16, 32, requires_grad=True)  # as the second block's input: one graph for both
+        graphs = []
+        # unpruned, then nine prunes: with static parameter shapes, more graphs than dynamo's recompile limit
+        widths = [(4, 64), (4, 60), (3, 52), (3, 50), (3, 41), (2, 33), (2, 30), (2, 20), (2, 16), (2, 12)]
+        for heads, neurons in widths:
+            for blocks in (compiled, eager):
+                for i, block in enumerate(blocks):
+                    block.attn.keep_units(torch.arange(heads))
+                    block.mlp.keep_units(torch.arange(neurons - i * (neurons < 64)))  # blocks of different widths
+            torch.testing.assert_close(compiled[1](compiled[0](x)), eager[1](eager[0](x)), rtol=1e-5, atol=1e-6)
+            graphs.append(_graphs())
+    finally:
+        pruning.teardown(trainer, L.LightningModule(), "fit")
+    # static widths; the neurons' dynamic at the first prune; the heads' at theirs (every block shares them)
+    assert graphs == [1, 2, *[3] * 8], graphs
+    assert torch._dynamo.config.force_parameter_static_shapes == static  # as before the fit
+
+
+def test_a_layer_dynamo_gives_up_on_is_named_in_a_warning(strict_dynamo):
+    layer = nn.Linear(4, 4)
+    compile_layer(layer, {"backend": "eager", "dynamic": False}, name="3")  # a graph per batch size
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # none before the limit
+            layer(torch.randn(1, 4)), layer(torch.randn(2, 4))
+        with pytest.warns(RuntimeWarning) as caught:
+            y = layer(x := torch.randn(3, 4))
+    message = str(caught[0].message)
+    assert message.startswith("torch.compile gave up on layer 3, which runs eagerly from now on"), message
+    assert "hit config.recompile_limit (2)" in message and "last reason: " in message and "size mismatch" in message
+    torch.testing.assert_close(y, nn.functional.linear(x, layer.weight, layer.bias))  # eager, and right

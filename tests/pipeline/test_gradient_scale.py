@@ -3,10 +3,11 @@
 AdamW and clipping by norm are invariant to a uniform gradient scale, so the exactness runs that train with them
 would pass with a sum over replicas instead of a mean, a micro-batch divided twice, or a wrong sharded norm. Here the
 user's model trains with plain SGD (``support.sgd_model``: a 2x scale moves its losses by ~20 %) and is compared per
-step with plain single-device Lightning (fp32, relative <= 1e-5) at P = 2 x D = 2 under ``ddp``, ``fsdp`` and
-``replicate``, at P = 2 x T = 2 (the user's own tensor-parallel plan) and under ZBV; with clipping on (below every
-step's norm), the global norm before clipping that ``summary.json`` records (``grad_norms``) equals one device's
-under FSDP2 and tensor parallelism, whose gradients are held in parts.
+step with plain single-device Lightning (fp32, relative <= 1e-5) at P = 2 x D = 2 under ``ddp``, ``fsdp`` (also
+with ``fsdp_memory="lean"``: a reduce-scatter per micro-batch) and ``replicate``, at P = 2 x T = 2 (the user's own
+tensor-parallel plan) and under ZBV; with clipping on (below every step's norm), the global norm before clipping
+that ``summary.json`` records (``grad_norms``) equals one device's under FSDP2 and tensor parallelism, whose gradients
+are held in parts.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ SCRIPT = SUPPORT / "_sgd_script.py"
 FOUR = {
     "ddp": "dp=2,mode=ddp,batch=8",
     "fsdp": "dp=2,mode=fsdp,batch=8",
+    "fsdp-lean": "dp=2,mode=fsdp,memory=lean,batch=8",
+    "fsdp-auto": "dp=2,mode=fsdp,auto=1,batch=8",
     "replicate": "dp=2,mode=replicate,batch=8",
     "tp2": "tp=2",
     "fsdp-clip": f"dp=2,mode=fsdp,batch=8,clip={CLIP}",
@@ -61,17 +64,28 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     for world_size, cases in ((4, FOUR), (2, TWO)):
         specs = [f"{name}:{spec}" for name, spec in cases.items()]
         launch_script(world_size, SCRIPT, str(d), *specs, log_dir=d / "logs", timeout=480)
-    return {name: json.loads((d / name / "summary.json").read_text()) for name in [*FOUR, *TWO]}
+    runs = {name: json.loads((d / name / "summary.json").read_text()) for name in [*FOUR, *TWO]}
+    runs["fsdp-auto"]["ways"] = json.loads((d / "fsdp-auto" / "ways.json").read_text())
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "replicate", "tp2", "zbv"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp-lean", "fsdp-auto", "replicate", "tp2", "zbv"])
 def test_sgd_without_clipping_equals_plain_lightning_on_one_device(runs, reference, name):
     summary = runs[name]
     assert summary["steps"] == STEPS and summary["replicas_in_sync"]
     assert summary["grad_norms"] == []  # nothing clipped by norm
     assert_close_losses(summary["losses"], reference[None]["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_balancer_runs_fsdp_lean_while_only_lean_fits_and_fast_again_after(runs):
+    """``fsdp_memory="auto"``: the capacity between the two ways' least peaks from step 2 to 5 (``Squeeze``)."""
+    ways = runs["fsdp-auto"]["ways"]
+    assert ways[:3] == ["fast"] * 3  # until the check at the end of step 2
+    assert "lean" in ways[3:7] and ways[-1] == "fast", ways  # lean while only lean fits, fast once it does again
 
 
 @pytest.mark.slow

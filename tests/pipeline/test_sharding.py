@@ -1,8 +1,9 @@
 """Data parallelism inside every stage: ``data_parallel="fsdp"`` (FSDP2) and ``"replicate"`` equal one replica.
 
 P = 2 x D = 2 on 4 gloo processes against one replica of the same global batch (fp32, relative <= 1e-5 per step and
-on the final parameters): under 1F1B and ZBV, with layers moving to a random split every 5 steps and freezing on;
-MoE with experts no token of one replica reached (per-expert path); a Hugging Face Llama from ``from_hf``. A sharded
+on the final parameters): under 1F1B and ZBV, with layers moving to a random split every 5 steps and freezing on,
+also with ``fsdp_memory="lean"`` (gradients reduce-scattered per micro-batch); MoE with experts no token of one
+replica reached (per-expert path); a Hugging Face Llama from ``from_hf``. A sharded
 checkpoint written at (P = 2, D = 2, fsdp) resumes at (P = 4, D = 1), (P = 1, D = 2, fsdp) and (P = 2, D = 2, ddp),
 exact. Memory: what each process holds under fsdp is half of ddp's, and a migration allocates shards, not layers.
 """
@@ -45,6 +46,8 @@ MOE = [
     "model._target_=support.moe_models.PerExpertGPT",
     "trainer.max_steps=12",
 ]
+#: FSDP2's lean way: weights gathered per forward and backward, gradients reduce-scattered per micro-batch.
+LEAN = ["strategy.fsdp_memory=lean"]
 #: A small Hugging Face Llama, as tests/models/test_hf.py trains it with dynmo-train.
 HF = [*LLAMA, *HF_BASE]
 
@@ -61,6 +64,8 @@ def runs(tmp_path_factory):
     four = {d / f"{mode}-{sched}": [*DP2, *_mode(mode), *MOVING, *(ZBV if sched == "zbv" else [])]
             for mode in ("fsdp", "replicate") for sched in ("1f1b", "zbv")}  # fmt: skip
     four[d / "fsdp-moe"] = [*DP2, *_mode("fsdp"), *MOE]
+    four[d / "lean-1f1b"] = [*DP2, *_mode("fsdp"), *LEAN, *MOVING]
+    four[d / "lean-moe"] = [*DP2, *_mode("fsdp"), *LEAN, *MOE]
     four[d / "fsdp-full"] = [*DP2, *_mode("fsdp"), *EPOCH, "trainer.max_steps=12"]
     four[d / "fsdp-first"] = [*DP2, *_mode("fsdp"), *EPOCH, "trainer.max_steps=10"]
     out |= launch(4, four)
@@ -74,7 +79,7 @@ def runs(tmp_path_factory):
 
 
 @slow
-@pytest.mark.parametrize("name", ["fsdp-1f1b", "replicate-1f1b", "fsdp-zbv", "replicate-zbv"])
+@pytest.mark.parametrize("name", ["fsdp-1f1b", "replicate-1f1b", "fsdp-zbv", "replicate-zbv", "lean-1f1b"])
 def test_two_sharded_replicas_with_moving_layers_equal_one_replica(runs, name):
     ref, run = runs["pp2-moving"], runs[name]
     assert run.summary["world_size"] == [{"step": 0, "world_size": 4, "replicas": 2}]
@@ -85,13 +90,14 @@ def test_two_sharded_replicas_with_moving_layers_equal_one_replica(runs, name):
     # every tensor within float noise through Adam (an unreduced or misplaced shard would be off by the step size).
     assert_close_model(run.checkpoint["state_dict"], ref.checkpoint["state_dict"])
     assert_close_params(run.checkpoint["state_dict"], ref.checkpoint["state_dict"], rtol=1e-4)
-    if name.startswith("fsdp"):  # every replica wrote its shards: a directory, whole tensors once read
+    if name.startswith(("fsdp", "lean")):  # every replica wrote its shards: a directory, whole tensors once read
         assert (run.run_dir / "checkpoints" / "final.ckpt").is_dir()
 
 
 @slow
-def test_experts_no_token_of_one_replica_reached_are_reduced_as_zero(runs):
-    ref, run = runs["pp2-moe"], runs["fsdp-moe"]
+@pytest.mark.parametrize("name", ["fsdp-moe", "lean-moe"])
+def test_experts_no_token_of_one_replica_reached_are_reduced_as_zero(runs, name):
+    ref, run = runs["pp2-moe"], runs[name]
     assert_close_losses(run.summary["losses"], ref.summary["losses"])
     assert_close_model(run.checkpoint["state_dict"], ref.checkpoint["state_dict"])
     assert_close_params(run.checkpoint["state_dict"], ref.checkpoint["state_dict"], rtol=1e-4)

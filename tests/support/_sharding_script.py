@@ -15,13 +15,13 @@ import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, TensorDataset
 
 from dynmo_lightning import DynMoStrategy, PipelineModule
+from dynmo_lightning.bench.allocations import storages
 from dynmo_lightning.pipeline import transport
 from dynmo_lightning.protocol import local_part
 
@@ -54,22 +54,19 @@ class SplitNet(Net):
 
 
 class Allocations(TorchDispatchMode):
-    """Counts the bytes of every new storage an operation returns (meta tensors and views are not new memory)."""
+    """Counts the bytes of every new storage an operation returns (meta tensors and views are not new memory).
+
+    A DTensor's operation reaches the mode as the DTensor's: its local tensor's storage is counted (``storages``).
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
 
-    @staticmethod
-    def _storages(tree) -> list:
-        # DTensors are wrappers: their local tensors' operations reach this mode themselves
-        plain = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
-        return [t.untyped_storage() for t in plain if not t.is_meta]
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        seen = {s.data_ptr() for s in self._storages((args, kwargs))}
+        seen = {s.data_ptr() for s in storages((args, kwargs))}
         out = func(*args, **(kwargs or {}))
-        for storage in self._storages(out):
+        for storage in storages(out):
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 self.bytes += storage.nbytes()

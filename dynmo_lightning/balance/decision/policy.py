@@ -79,6 +79,9 @@ class PipelineShape:
         param_counts: parameters of each layer (for ``method="params"``).
         nodes: the node each rank runs on (a repack then frees whole nodes); ``None``: unknown.
         waiting: released ranks that wait and may be re-admitted (a grow adds up to this many stages).
+        fsdp_memory: how FSDP2 units hold a step's weights and gradients now, ``"fast"`` or ``"lean"``
+            (``StrategySettings.fsdp_memory``).
+        fsdp_memory_auto: whether a check chooses it (``fsdp_memory="auto"``: :meth:`BalancePolicy.choose_fsdp_memory`).
     """
 
     layers_per_stage: list[int]
@@ -88,6 +91,8 @@ class PipelineShape:
     param_counts: Sequence[int] | None = None
     nodes: Sequence[Hashable] | None = None
     waiting: int = 0
+    fsdp_memory: str = "fast"
+    fsdp_memory_auto: bool = False
 
     @property
     def n_stages(self) -> int:
@@ -293,12 +298,13 @@ class BalancePolicy:
             The decisions, to be carried out in order (a repack plans from the split after the migration).
         """
         self.full_stages = max(self.full_stages, pipe.n_ranks + pipe.waiting)
+        pipe = self._choose_way(pipe)
         if planned is None:
             proposed, info = self.plan(pipe)
         else:
             require_outcome_fits(planned, shared_capacity(self._capacities(pipe)))
             proposed, info = [o.size for o in planned], dict(info or {})
-        decision = self._migration(pipe, proposed, info, planned)
+        decision = self._migration(pipe, proposed, _with_way(pipe, info), planned)
         self.planned_once = True
         self.after_event = None
         decisions = [decision]
@@ -313,6 +319,32 @@ class BalancePolicy:
             if grow is not None:
                 decisions.append(grow)
         return decisions
+
+    def _choose_way(self, pipe: PipelineShape) -> PipelineShape:
+        """``pipe`` with the way FSDP2 units should run (:meth:`choose_fsdp_memory`) where a check chooses it."""
+        if not pipe.fsdp_memory_auto:
+            return pipe
+        return dataclasses.replace(pipe, fsdp_memory=self.choose_fsdp_memory(pipe))
+
+    def choose_fsdp_memory(self, pipe: PipelineShape) -> str:
+        """How FSDP2 units should hold a step's weights and gradients under ``fsdp_memory="auto"``.
+
+        ``"fast"`` if some split of the pipeline's stages fits the memory capacity that way, else ``"lean"`` if one
+        fits that way, else what is in force (planning then says that nothing fits). Fast is never slower than lean
+        for the same split (one all-gather and one reduce-scatter per layer and step instead of ``2M`` and ``M``),
+        so it is chosen whenever the capacity allows it; the times the planner then plans from are measured under
+        the way in force (the lean way's communication included). Without a capacity (or before anything was
+        measured) nothing changes.
+        """
+        capacity = self.settings.memory_capacity
+        if capacity in (None, "auto") or self.tracker is None or not self.tracker.samples:
+            return pipe.fsdp_memory
+        for way in ("fast", "lean"):
+            check = MemoryCheck(self.tracker.layer_memory(way), pipe.schedule, pipe.n_microbatches,
+                                pipe.stages_per_rank, capacity)  # fmt: skip
+            if check.feasible(pipe.n_stages) is not None:
+                return way
+        return pipe.fsdp_memory
 
     def _grow(self, pipe: PipelineShape) -> Decision | None:
         """More stages (up to ``pipe.waiting`` more) when the pipeline is slower than the repack tolerance allows.
@@ -500,9 +532,10 @@ class BalancePolicy:
         if self.settings.memory_capacity in (None, "auto"):  # "auto" is resolved by the runtime balancer
             return None, None
         assert self.tracker is not None
-        key = (pipe.schedule, pipe.n_microbatches, pipe.stages_per_rank, self.tracker.samples)
+        way = pipe.fsdp_memory if pipe.fsdp_memory_auto else None  # as measured, unless a check chooses the way
+        key = (pipe.schedule, pipe.n_microbatches, pipe.stages_per_rank, self.tracker.samples, way)
         if self._check is None or self._check[0] != key:
-            layers = self.tracker.layer_memory()
+            layers = self.tracker.layer_memory(way)
             check = MemoryCheck(layers, pipe.schedule, pipe.n_microbatches, pipe.stages_per_rank,
                                 self.settings.memory_capacity)  # fmt: skip
             self._check = (key, check)
@@ -538,6 +571,11 @@ class BalancePolicy:
             self._rng.setstate((version, tuple(internal), gauss))
         if n_layers is not None and state.get("tracker") is not None:
             self.start(n_layers).load_state_dict(state["tracker"])
+
+
+def _with_way(pipe: PipelineShape, info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` with the way FSDP2 units are to run where a check chose it (the caller switches them if it changed)."""
+    return {**info, "fsdp_memory": pipe.fsdp_memory} if pipe.fsdp_memory_auto else info
 
 
 def _no_split_fits(check: MemoryCheck, pipe: PipelineShape, capacity: Any) -> str:

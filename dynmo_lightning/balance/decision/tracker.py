@@ -32,6 +32,8 @@ class CostTracker:
     FIELDS = (
         "fwd", "bwd", "bwd_weight", "activation_bytes", "param_bytes", "grad_bytes", "optim_bytes",
         "recompute_bytes", "input_bytes", "weight_copies_bytes", "gathered_bytes",
+        # FSDP2 units that can run either way (``fsdp_memory``): their gradients and gathered weights each way
+        "fast_grad_bytes", "fast_copies_bytes", "lean_grad_bytes", "lean_gathered_bytes",
     )  # fmt: skip
 
     def __init__(self, n_layers: int, smoothing: float = 0.5, window: int = 5) -> None:
@@ -99,15 +101,26 @@ class CostTracker:
             for i in range(self.n_layers)
         ]
 
-    def layer_memory(self) -> list[LayerBytes]:
-        """Every layer's smoothed bytes as the memory model takes them."""
+    def layer_memory(self, fsdp_memory: str | None = None) -> list[LayerBytes]:
+        """Every layer's smoothed bytes as the memory model takes them.
+
+        Args:
+            fsdp_memory: price FSDP2 units that can run either way as ``"fast"`` or ``"lean"`` would hold them
+                (``None``: as they ran when measured).
+        """
         v = self.values
-        return [
-            LayerBytes(v["param_bytes"][i], v["grad_bytes"][i], v["optim_bytes"][i], v["activation_bytes"][i],
-                       v["recompute_bytes"][i], v["input_bytes"][i], copies=v["weight_copies_bytes"][i],
-                       gathered=v["gathered_bytes"][i])
-            for i in range(self.n_layers)
-        ]  # fmt: skip
+        out = []
+        for i in range(self.n_layers):
+            grads, copies, gathered = v["grad_bytes"][i], v["weight_copies_bytes"][i], v["gathered_bytes"][i]
+            if fsdp_memory is not None and v["fast_copies_bytes"][i] > 0:
+                fast = fsdp_memory == "fast"
+                grads = v["fast_grad_bytes" if fast else "lean_grad_bytes"][i]
+                copies = v["fast_copies_bytes"][i] if fast else 0.0
+                gathered = 0.0 if fast else v["lean_gathered_bytes"][i]
+            out.append(LayerBytes(v["param_bytes"][i], grads, v["optim_bytes"][i], v["activation_bytes"][i],
+                                  v["recompute_bytes"][i], v["input_bytes"][i], copies=copies,
+                                  gathered=gathered))  # fmt: skip
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state."""

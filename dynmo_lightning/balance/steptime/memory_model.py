@@ -12,7 +12,9 @@ runs its tasks (:func:`~dynmo_lightning.balance.steptime.makespan.rank_orders`):
 - from each stage's first backward (its weight part, under the zero-bubble schedules) on: that stage's gradients;
 - per micro-batch a stage has run forward for and not yet finished the backward of: what its layers keep for
   backward, and the stage's output (held for the backward; the last stage's is the loss);
-- during a backward: the input gradient it makes and, where layers are checkpointed, the largest recomputation.
+- during a backward: the input gradient it makes and, where layers are checkpointed, the largest recomputation;
+  in every backward of a stage but the step's first, also the gradients of the weight copies autocast cached in
+  that first forward, which wait for the end of the pass (autograd runs a node in reverse order of creation).
 
 Under the split backward (``I`` then ``W``) a micro-batch's activations are held until its weight part: the input
 part keeps what the weight gradients need. The peak is the largest of these sums over the task order. Which
@@ -49,12 +51,25 @@ class LayerBytes:
         inputs: its input activation of one micro-batch (a stage starting here receives it).
         workspace: what its backward holds at its peak besides the activations and the weights' gradients
             and a checkpointed layer's recomputation is part of it (``None``: ``inputs + recompute``).
+        workspace_again: what its backward holds at its peak besides the activations when its gradients exist
+            already and it adds to them (every backward of a step but its stage's first): its new gradients until
+            they are added, and its casts' gradients (:attr:`cast_grads`) among them (``None``: :attr:`workspace`
+            and :attr:`cast_grads`).
+        outputs: its output of one micro-batch, read for the model's last layer only: torch's stage keeps its
+            output until its backward is done, the last stage's beside the loss (the others' is the next layer's
+            :attr:`inputs`).
         split_extra: under the split backward, what a micro-batch holds between the input and the weight part
             beyond its activations (the output gradients kept for the weight part, less what the input part freed).
         copies: copies of its weights held during a step, once for all micro-batches (autocast's bf16 casts,
             FSDP2's gathered weights, which ``fsdp_memory="fast"`` keeps for the step).
         gathered: what it holds only while it runs, on top of :attr:`workspace` (``fsdp_memory="lean"``: its
             weights gathered for its backward, and its whole gradient until the reduce-scatter).
+        cast_grads: the gradients of its weight copies made by a cast the step keeps (autocast's): in a backward
+            over its stage after the step's first, held from its own backward to the end of that pass. A cast made
+            in the step's first forward is an older autograd node than everything a later micro-batch's forward
+            made, and autograd runs the newest first, so the cast's backward (to the weights' dtype, added to their
+            gradients) waits until the pass has done all the rest (0: no such copies, e.g. FSDP2's gathered
+            weights, which are parameters whose gradients are taken at once).
     """
 
     params: float
@@ -67,11 +82,21 @@ class LayerBytes:
     split_extra: float = 0.0
     copies: float = 0.0
     gathered: float = 0.0
+    cast_grads: float = 0.0
+    workspace_again: float | None = None
+    outputs: float = 0.0
 
     @property
     def backward(self) -> float:
         """The backward's transient: :attr:`workspace` (or its input gradient and recomputation), :attr:`gathered`."""
         return (self.inputs + self.recompute if self.workspace is None else self.workspace) + self.gathered
+
+    @property
+    def backward_again(self) -> float:
+        """The transient of a backward adding to existing gradients: :attr:`workspace_again`, :attr:`gathered`."""
+        if self.workspace_again is None:
+            return self.backward + self.cast_grads
+        return self.workspace_again + self.gathered
 
     @property
     def static(self) -> float:
@@ -88,14 +113,21 @@ class _State:
     grads: tuple[bool, ...]
     backward: int = -1
     fresh: bool = False
+    input_part: bool = False
+
+    def transient(self, part: dict[str, float]) -> float:
+        """The backward's transient of the stage whose :meth:`MemoryModel.stage_parts` is ``part`` (none: 0)."""
+        if self.backward < 0:
+            return 0.0
+        return part["fresh" if self.fresh else "input" if self.input_part else "again"]
 
 
 def _rank_states(order: Sequence[tuple[str, int, int]], local: list[int]) -> list[_State]:
     """Every state a rank's task order passes through.
 
     Per local stage: micro-batches in flight (``pending`` of them between their input and weight parts) and whether
-    its gradients exist; during a backward, whose (``backward``, a local index) and whether it makes that stage's
-    gradients (``fresh``).
+    its gradients exist; during a backward, whose (``backward``, a local index), whether it makes that stage's
+    gradients (``fresh``) and whether it is a split backward's input part (``input_part``: no weight gradients).
 
     Stage 0 has no input gradient: its split backward runs whole in the input part (as the runtime's ``_Stage``).
     """
@@ -107,7 +139,7 @@ def _rank_states(order: Sequence[tuple[str, int, int]], local: list[int]) -> lis
         if kind == "F":
             alive[k] += 1
         elif kind == "I" and s > 0:
-            states.append(_State(tuple(alive), tuple(pending), tuple(grads), k))
+            states.append(_State(tuple(alive), tuple(pending), tuple(grads), k, input_part=True))
             pending[k] += 1
         elif kind == "W" and s == 0:
             continue
@@ -159,7 +191,7 @@ class MemoryModel:
         """Per stage what :meth:`peaks` adds up.
 
         ``static``, ``grads``, ``per_microbatch``, ``pending``, and the backward's transients ``fresh`` (it makes
-        the stage's gradients) and ``again`` (it adds to them).
+        the stage's gradients), ``again`` (it adds to them) and ``input`` (a split backward's input part).
         """
         if len(layers_per_stage) != self.n_stages:
             raise ValueError(f"a split of {len(layers_per_stage)} stages for a model of {self.n_stages}")
@@ -169,24 +201,36 @@ class MemoryModel:
     def _part(self, s: int, own: list[LayerBytes], end: int) -> dict[str, float]:
         m = self.n_microbatches
         received = own[0].inputs if s > 0 else 0.0
-        output = self.layers[end].inputs if s < self.n_stages - 1 else 0.0
+        last = s == self.n_stages - 1
+        output = own[-1].outputs if last else self.layers[end].inputs  # held per micro-batch until its backward
         # The backward of layer j runs after those of the layers behind it: their activations are gone, their
-        # gradients made.
-        fresh = again = -math.inf
-        later_act = later_grads = 0.0
+        # gradients made; the gradient of its output, which the layer behind it made (the stage's last layer's is a
+        # receive buffer), is held until it is done.
+        fresh = again = split_input = -math.inf
+        later_act = later_grads = later_casts = incoming = 0.0
         for x in reversed(own):
-            fresh = max(fresh, x.backward + later_grads + x.grads - later_act)
-            again = max(again, x.backward - later_act)
+            fresh = max(fresh, x.backward + incoming + later_grads + x.grads - later_act)
+            split_input = max(split_input, x.backward + incoming - later_act)
+            # the casts' gradients of the layers behind wait for the end of the pass (LayerBytes.cast_grads)
+            again = max(again, x.backward_again + incoming - later_act + later_casts)
             later_act += x.activations
             later_grads += x.grads
+            later_casts += x.cast_grads
+            incoming = x.inputs
+        # At the end of the pass, the activations gone and the stage's input gradient made, every cast's gradient
+        # is turned to its weight's dtype (at most twice its size, one weight at a time) and added.
+        casts_end = later_casts + 2 * max((x.cast_grads for x in own), default=0.0) + incoming - later_act
+        again = max(again, casts_end) if later_casts else again
         return {
-            "static": sum(x.static + x.copies for x in own) + m * (received + output),
+            # receive buffers: an input per micro-batch, and an output gradient (not on the last stage)
+            "static": sum(x.static + x.copies for x in own) + m * (received + (0.0 if last else output)),
             "grads": later_grads,
             # the first layer keeps its input, which is the receive buffer (counted in ``static``)
             "per_microbatch": later_act - received + output,
             "pending": sum(x.split_extra for x in own),
             "fresh": fresh,
             "again": again,
+            "input": split_input,
         }
 
     def peaks(self, layers_per_stage: Sequence[int]) -> list[float]:
@@ -203,7 +247,7 @@ class MemoryModel:
                     for k, s in enumerate(local)
                 )
                 if state.backward >= 0:
-                    held += parts[local[state.backward]]["fresh" if state.fresh else "again"]
+                    held += state.transient(parts[local[state.backward]])
                 peak = max(peak, held)
             out.append(sum(parts[s]["static"] for s in local) + peak)
         return out
@@ -380,7 +424,7 @@ class MemoryCheck:
         peak = max(
             state.alive[0] * part["per_microbatch"] + state.pending[0] * part["pending"]
             + (part["grads"] if state.grads[0] else 0.0)
-            + ((part["fresh"] if state.fresh else part["again"]) if state.backward >= 0 else 0.0)
+            + state.transient(part)
             for state in states
         )  # fmt: skip
         return (part["static"] + peak) / caps[rank]
