@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dynmo_lightning.plots import TIMES
+
 #: The ways a stage's replicas share its layers, in the order the page lists them (the file's keys).
 MODES = ("ddp", "replicate", "fsdp", "fsdp_memory=lean")
 
@@ -25,9 +27,9 @@ def table(report: Mapping[str, Any]) -> str:
         r = report["modes"][mode]
         peaks, errors, vs_ddp = r["step_peak_bytes"], r["prediction_error"], r["step_peak_vs_ddp"]
         rows.append(
-            f"| `{mode}` | {r['mean']:.1f} [{r['ci95'][0]:.1f}, {r['ci95'][1]:.1f}] | {r['ratio_to_ddp']:.2f}× "
+            f"| `{mode}` | {r['mean']:.1f} [{r['ci95'][0]:.1f}, {r['ci95'][1]:.1f}] | {r['ratio_to_ddp']:.2f}{TIMES} "
             f"[{r['ratio_ci95'][0]:.2f}, {r['ratio_ci95'][1]:.2f}] | {_span([p / 2**20 for p in peaks], '.0f')} | "
-            f"{_span(vs_ddp, '.2f')}× | {_span([100 * e for e in errors], '+.1f')} % |"
+            f"{_span(vs_ddp, '.2f')}{TIMES} | {_span([100 * e for e in errors], '+.1f')} % |"
         )
     return "\n".join(rows)
 
