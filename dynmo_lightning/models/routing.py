@@ -60,18 +60,41 @@ class ExitGate(nn.Module):
 
     def forward(self, before: Tensor, after: Tensor, active: Tensor) -> Tensor:
         """The new active mask (float 1/0, ``(B, T)``) after a block turned ``before`` into ``after``."""
-        if not self.may_exit or host_value(self, "threshold") > 1.0:
+        if not self._open():
             return active
+        active, exited, processed = self._exits(before, after, active)
+        self._count(exited, processed)
+        return active
+
+    # In a compiled layer the host state stays out of the graphs: traced, dynamo would guard on the threshold, the
+    # stage memo's bound, the counters' types and whether shapes are being probed, and compile again whenever one of
+    # them changed. So ``_open`` and ``_count`` run eagerly (graph breaks) and ``_exits``, the computation, compiles:
+    # a method of its own, so that it compiles even where dynamo runs ``forward`` eagerly (its frame breaks before any
+    # operation).
+
+    @torch.compiler.disable(reason="host state: the threshold's host value and the stage's memo")
+    def _open(self) -> bool:
+        """Whether tokens may exit after this block now; if so, the stage's later blocks learn that some may leave."""
+        if not self.may_exit or host_value(self, "threshold") > 1.0:
+            return False
         memo = stage_memo()
         if memo is not None and "active_bound" in memo:
             memo["active_bound"] = (memo["active_bound"][0], False)  # tokens may leave: still a bound, not all active
+        return True
+
+    def _exits(self, before: Tensor, after: Tensor, active: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The new active mask, the tokens that left and the tokens that were active."""
         with torch.no_grad():
             saturated = F.cosine_similarity(before, after, dim=-1) >= self.threshold
-            leaving = saturated & (active > 0)
-            if not is_probing():
-                self.exited = self.exited + leaving.sum()
-                self.processed = self.processed + (active > 0).sum()
-            return active * (~leaving).to(active.dtype)
+            was_active = active > 0
+            leaving = saturated & was_active
+            return active * (~leaving).to(active.dtype), leaving.sum(), was_active.sum()
+
+    @torch.compiler.disable(reason="host state: the counters (an int after a reset) and whether shapes are probed")
+    def _count(self, exited: Tensor, processed: Tensor) -> None:
+        if not is_probing():  # a shape probe or a recomputation repeats a forward already counted
+            self.exited = self.exited + exited
+            self.processed = self.processed + processed
 
 
 #: How often blocks read their active-token bound from the device (see :func:`active_bound`).
@@ -95,6 +118,7 @@ def reads_per_layer(sync: str, device: torch.device) -> bool:
     return sync == "layer" or (sync == "auto" and device.type == "cpu")
 
 
+@torch.compiler.disable(reason="host state: a read of the device, or the bound the stage's memo holds")
 def active_bound(active: Tensor, sync: str = "auto") -> tuple[int, bool]:
     """The most active tokens of any sequence (an upper bound) and whether every token is active.
 
@@ -103,6 +127,9 @@ def active_bound(active: Tensor, sync: str = "auto") -> tuple[int, bool]:
     stage_forward`) and later blocks of the stage reuse the bound, which stays valid because tokens only exit; it is
     rounded up to a bucket (:data:`EXIT_BUCKETS`). Read per layer, every block reads its exact count, so it computes
     only the tokens still active.
+
+    In a compiled layer it runs eagerly (a graph break, where the read is one anyway): the numbers enter the compiled
+    code as inputs, which dynamo makes dynamic once it met a few, where traced it would guard on the memo's values.
     """
     per_stage = not reads_per_layer(sync, active.device)
     memo = stage_memo()
@@ -160,6 +187,17 @@ class DepthRouter(nn.Module):
     def top(self, logits: Tensor) -> Tensor:
         """The positions ``(B, k)`` each sequence sends through the block, in sequence order."""
         return logits.topk(self.k(logits.shape[1]), dim=1).indices.sort(dim=1).values
+
+    @torch.compiler.disable(reason="host state: token counts (ints) and whether shapes are probed")
+    def count(self, routed: int, seen: int) -> None:
+        """Add a forward's routed and seen tokens (not a shape probe's or a recomputation's: counted already).
+
+        Host state only, so in a compiled layer it runs eagerly: traced, dynamo would guard on the counts and compile
+        again at every call.
+        """
+        if not is_probing():
+            self.routed += routed
+            self.seen += seen
 
     def k(self, seq_len: int) -> int:
         """Tokens per sequence the block processes (the capacity is read from the device only after it changed)."""
@@ -250,8 +288,6 @@ def routed_forward(
     out = x + (y - x) * torch.exp(log_s - log_s.detach())[..., None]
     target = torch.zeros_like(logits).scatter(1, top, 1.0)
     bce = F.binary_cross_entropy_with_logits(router.predictor(normed.detach()).squeeze(-1), target)
-    if not is_probing():
-        router.routed += B * k
-        router.seen += B * T
+    router.count(B * k, B * T)
     aux = router.predictor_coef * bce if aux is None else aux + router.predictor_coef * bce
     return h.scatter(1, index, out), aux

@@ -8,17 +8,20 @@ its own, as in a run of its own process, so they can be counted; and past the li
 eagerly, silently, so that "compiled" equalled eager trivially (sharing one process's dynamo, the cases before
 early exit gave ``Block.forward`` 8 graphs, and early exit, MoE and ZBV then ran their blocks eagerly).
 
-What used to reach the limit or fail, each also checked in one process in seconds (dynamo without inductor): a
-threshold schedule (early exit) recompiled ``host_value`` at every change (dynamo guarded the threshold buffer's
-version counter); MoE's grouped GEMM did not trace in fp32 (torch's fake ``grouped_mm`` wants bf16); and every prune
-gave every block a graph of its widths (parameter shapes were static). A layer dynamo gives up on is named in a
-warning.
+What used to reach the limit or fail, each also checked in one process in seconds (dynamo without inductor): early
+exit recompiled at every change of its threshold (dynamo guarded the threshold buffer's version counter inside
+``host_value``; host state now runs eagerly between graphs, the gate's computation compiled); Mixture of Depths at
+every call (its token counts, ints on the router; not in the launch above); MoE's grouped GEMM did not trace in fp32
+(torch's fake ``grouped_mm`` wants bf16); and every prune gave every block a graph of its widths (parameter shapes
+were static). A layer dynamo gives up on is named in a warning.
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
+from functools import partial
 
 import lightning.pytorch as L
 import pytest
@@ -28,6 +31,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from dynmo_lightning.callbacks import GradualPruning
+from dynmo_lightning.core.context import stage_forward
 from dynmo_lightning.core.host_values import set_host_value
 from dynmo_lightning.models.blocks import Block
 from dynmo_lightning.models.moe import MoEMLP
@@ -57,15 +61,17 @@ RECOMPILE_BOUND = {"none": 0, "freezing": 0, "pruning": 0, "early_exit": 4, "moe
 #: The reference GPT's kinds of layers: the embedding, the block (its copies share one graph) and the head.
 KINDS = 3
 #: Graphs a compiled case may compile on global rank 0 in all: one per kind of layer it held, where a dynamic makes
-#: more kinds: a frozen layer is another (dynamo guards ``requires_grad``), a pruned block a few (a block's widths
-#: become dynamic when a prune first changes them: its neurons', its heads' if later, sizes 1 specialised), and the
-#: changing sizes of early exit and MoE (dense and MoE blocks) once.
+#: more kinds: a frozen layer is another (dynamo guards ``requires_grad``); a pruned block a few (parameter shapes
+#: turn dynamic when a prune first changes them: its neurons', its heads' if later, a size of 1 specialised); MoE's
+#: changing sizes once (dense and MoE blocks); and early exit's blocks compile in pieces between their host reads (the
+#: active-token count, the boolean gather of exactly the active tokens, the gate's threshold) whose gathered sizes are
+#: specialised at 0 and 1 before they turn dynamic.
 GRAPHS_AT_MOST = {
     "none": KINDS,
     "zbv": KINDS,
     "freezing": 2 * KINDS,
-    "pruning": KINDS + 4,
-    "early_exit": 2 * KINDS,
+    "pruning": KINDS + 3,
+    "early_exit": 4 * KINDS,
     "moe": 2 * (KINDS + 1),
 }
 
@@ -150,37 +156,99 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _blocks(n: int, **kwargs) -> tuple[list[Block], list[Block]]:
-    """``n`` tiny blocks, compiled by dynamo alone (no inductor: the guards are dynamo's), and eager copies."""
+def _blocks(n: int, graphs: list[str] | None = None, **kwargs) -> tuple[list[Block], list[Block]]:
+    """``n`` tiny blocks, compiled by dynamo alone (no inductor: the guards are dynamo's), and eager copies.
+
+    The code of every graph compiled goes to ``graphs``.
+    """
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]):
+        if graphs is not None:
+            graphs.append(gm.code)
+        return gm.forward
+
     torch.manual_seed(0)
     eager = [Block(32, 4, 64, 0.0, True, **kwargs) for _ in range(n)]
     compiled = copy.deepcopy(eager)
     for block in compiled:
-        compile_layer(block, {"backend": "eager"})
+        compile_layer(block, {"backend": backend})
     return compiled, eager
 
 
+def _as_eager(compiled: list[Block], eager: list[Block], state: tuple, setup: Callable[[Block], None]) -> tuple:
+    """``state`` through the compiled blocks and through the eager ones (``setup`` each first), checked equal."""
+    outputs = []
+    for blocks in (compiled, eager):
+        out = state
+        with stage_forward():
+            for block in blocks:
+                setup(block)
+                out = block(*out)
+        outputs.append(out)
+    for c, e in zip(*outputs, strict=True):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+    return outputs[0]
+
+
+def _gate(block: Block, threshold: float, sync: str = "auto") -> None:
+    block.exit_gate.may_exit, block.exit_gate.sync = True, sync
+    set_host_value(block.exit_gate, "threshold", threshold)
+
+
+def _capacity(block: Block, capacity: float) -> None:
+    set_host_value(block.depth_router, "capacity", capacity)
+
+
 def test_a_threshold_schedule_compiles_nothing_once_exits_are_on(strict_dynamo):
-    compiled, eager = _blocks(2, early_exit=True)
+    codes: list[str] = []
+    compiled, eager = _blocks(2, codes, early_exit=True)
     # off (above 1), then a new threshold every step: all below every token's similarity (a hidden state ten times
     # the blocks' contribution), so the tokens that exit, and the shapes, stay the same
     thresholds = [2.0, 2.0, *(0.5 + 0.04 * step for step in range(10))]
     h = 10 * torch.randn(2, 16, 32)
     graphs = []
     for threshold in thresholds:
-        states = []
-        for blocks in (compiled, eager):
-            state = (h, torch.ones(2, 16), torch.zeros(2))
-            for block in blocks:
-                block.exit_gate.may_exit = True
-                set_host_value(block.exit_gate, "threshold", threshold)
-                state = block(*state)
-            states.append(state)
-        for c, e in zip(*states, strict=True):
-            torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+        _, active, _ = _as_eager(
+            compiled, eager, (h, torch.ones(2, 16), torch.zeros(2)), partial(_gate, threshold=threshold)
+        )
         graphs.append(_graphs())
-    assert states[0][1].sum() < h.shape[0] * h.shape[1]  # tokens exited
+    assert active.sum() < active.numel()  # tokens exited
+    counts = [[(int(b.exit_gate.exited), int(b.exit_gate.processed)) for b in blocks] for blocks in (compiled, eager)]
+    assert counts[0] == counts[1], counts
+    # the gate compiles at the first step with exits, then nothing
     assert graphs[2] > graphs[1] and graphs[3:] == [graphs[2]] * (len(thresholds) - 3), graphs
+    assert any("cosine_similarity" in code for code in codes)  # the gate runs compiled, not eagerly after the read
+
+
+@pytest.mark.parametrize("sync", ["layer", "stage"])
+def test_active_token_bounds_compile_no_graph_per_value(strict_dynamo, sync):
+    # a micro-batch of another number of active tokens each time: bounds read per layer, or once per stage and kept
+    # in the stage's memo; dynamo makes the sizes dynamic, and compiles nothing per value
+    compiled, eager = _blocks(3, early_exit=True)
+    h = torch.randn(2, 16, 32)
+    graphs = []
+    for step, n in enumerate([16, 0, 1, *range(15, 1, -1)]):  # none active, one (sizes dynamo specialises), more
+        active = torch.ones(2, 16)
+        active[:, n:] = 0
+        _as_eager(compiled, eager, (h, active, torch.zeros(2)), partial(_gate, threshold=0.9 - 0.01 * step, sync=sync))
+        graphs.append(_graphs())
+    assert graphs[-10:] == [graphs[-10]] * 10, graphs
+    # the bound is read eagerly: its few operations are no graph of their own (traced: one more, and its variants)
+    assert graphs[-1] <= 10, graphs
+
+
+def test_a_capacity_schedule_compiles_nothing_once_its_sizes_are_dynamic(strict_dynamo):
+    # Mixture of Depths: the capacity falls every step, so each block routes another number of tokens
+    compiled, eager = _blocks(2, mod_capacity=1.0)
+    h = torch.randn(2, 16, 32)
+    graphs = []
+    for capacity in [1.0, 1.0, *(0.9 - 0.06 * step for step in range(10))]:
+        _as_eager(compiled, eager, (h, torch.ones(2, 16), torch.zeros(2)), partial(_capacity, capacity=capacity))
+        graphs.append(_graphs())
+    assert [b.depth_router.seen for b in compiled] == [b.depth_router.seen for b in eager]
+    assert [b.depth_router.routed for b in compiled] == [b.depth_router.routed for b in eager]
+    # the routed sizes turn dynamic after two of them (three capacities)
+    assert graphs[4:] == [graphs[4]] * (len(graphs) - 4), graphs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -64,8 +64,9 @@ def runs(tmp_path_factory):
     out |= launch(4, {d / "llama-tp2": [*LLAMA, *TP2, *RANDOM], d / "gpt2-tp2": [*GPT2, *TP2, *RANDOM]}, base=HF_BASE)
     # `dynmo-train trainer.devices=4 strategy.tensor_parallel_size=2` with every default (tied embeddings included)
     out |= launch(4, {d / "as-it-reads": ["trainer.max_steps=30", "trainer.enable_progress_bar=false"]}, base=TP2)
-    # compiled split layers (torchtitan's order: tensor parallel, then compile), P = 1 x T = 2
-    out |= launch(2, {d / "tp2-compiled": [*TP2, *EPOCH, "strategy.compile=true", "trainer.max_steps=6"]})
+    # compiled split layers (torchtitan's order: tensor parallel, then compile), P = 1 x T = 2, strictly compiled
+    strict = "model._target_=support.strict_compile.StrictCompileGPT"
+    out |= launch(2, {d / "tp2-compiled": [*TP2, *EPOCH, "strategy.compile=true", "trainer.max_steps=6", strict]})
     ckpt = f"ckpt_path={d / 'tp2-first' / 'checkpoints' / 'last.ckpt'}"
     out |= launch(2, {d / "resume-t1": [*EPOCH, "trainer.max_steps=12", ckpt]})
     return {path.name: run for path, run in out.items()}
