@@ -190,7 +190,8 @@ class LayerProfiler:
         seen: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
         def add(t: Tensor, into: dict[int, int]) -> None:
-            storage = t.untyped_storage()
+            # a DTensor's (tensor parallelism's) own storage has its whole logical size: its local part's is held
+            storage = local_part(t).untyped_storage()
             if storage not in params and storage not in seen:
                 seen.add(storage)
                 into[index] += storage.nbytes()
@@ -200,9 +201,10 @@ class LayerProfiler:
             # layer is checkpointed: its recomputation finds the cast in the cache)
             if not _weight_copy(t, own):
                 return False
-            if t.untyped_storage() not in self._copied:
-                self._copied.add(t.untyped_storage())
-                self._copies[index] += t.untyped_storage().nbytes()
+            storage = local_part(t).untyped_storage()
+            if storage not in self._copied:
+                self._copied.add(storage)
+                self._copies[index] += storage.nbytes()
             return True
 
         def pack(t: Tensor) -> Tensor:
@@ -369,10 +371,17 @@ def _malloc_trim() -> Any:
 
 
 def device_memory(device: torch.device) -> int | None:
-    """Total memory of a GPU ``device`` in bytes; ``None`` elsewhere (CPU memory is the host's, not planned)."""
+    """Bytes of a GPU ``device`` this process can hold: what is free there now, and what it holds already.
+
+    The device's free memory (``torch.cuda.mem_get_info``: what other processes and the CUDA context hold is not
+    free) plus this process's own reservation (``torch.cuda.memory_reserved``: its tensors, which the memory model
+    counts against the capacity, and its allocator's cache, which they reuse). ``None`` elsewhere (CPU memory is
+    the host's, not planned).
+    """
     if device.type != "cuda":
         return None
-    return int(torch.cuda.get_device_properties(device).total_memory)
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device))
 
 
 #: Autograd nodes a saved weight may sit behind (a transposed or reshaped view of the cast).

@@ -46,7 +46,7 @@ from dynmo_lightning.pipeline.reduce import GlobalNormClipping, replicas_in_sync
 from dynmo_lightning.pipeline.resize import Resized, ResizeInternals, Resizer
 from dynmo_lightning.pipeline.runtime import StagePlan, first_dim
 from dynmo_lightning.pipeline.sharding import FSDP_MODES, StageSharding
-from dynmo_lightning.pipeline.stages import LocalStages
+from dynmo_lightning.pipeline.stages import LayerEditor, LocalStages
 from dynmo_lightning.pipeline.strategy_settings import PLUGINS, StrategyArguments, StrategySettings
 from dynmo_lightning.pipeline.tensor_parallel import TensorParallel
 from dynmo_lightning.pipeline.watchdog import Heartbeats
@@ -174,7 +174,7 @@ class DynMoStrategy(WrappedPlugins):
     @property
     def _holders(self) -> int:
         """Processes holding each stage: its replicas times its tensor-parallel processes."""
-        return (self._layout.dp_size if self._layout else self.data_parallel_size) * self.tensor_parallel_size
+        return self.dp_size * self.tensor_parallel_size
 
     @property
     def host_group(self) -> Any:
@@ -190,6 +190,11 @@ class DynMoStrategy(WrappedPlugins):
     def n_stages(self) -> int:
         """Number of (virtual) pipeline stages."""
         return self.pp_size * self.stages_per_rank
+
+    @property
+    def _local(self) -> LocalStages:
+        assert self._stages is not None, "the stages are built in setup"
+        return self._stages
 
     @property
     def _pipe(self) -> PipelineGroup:
@@ -210,6 +215,8 @@ class DynMoStrategy(WrappedPlugins):
         units = self.data_parallel in FSDP_MODES
         self._layout = layout
         self._mesh = make_mesh(layout, self.global_rank, self._timeout, self.root_device, unit_groups=units)
+        if isinstance(clipping := getattr(self._precision_plugin, "clip_by_norm", None), GlobalNormClipping):
+            clipping.holders = self._holders  # a stage's holders change with its replicas (a grown replica group)
 
     # --- start-up ----------------------------------------------------------------------------------------------------
     @override
@@ -362,10 +369,9 @@ class DynMoStrategy(WrappedPlugins):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._stages is not None
         inputs, target = self._batch(args[0] if args else kwargs["batch"])
         with self._phase("prediction (pipeline forward)"), self.precision_plugin.predict_step_context():
-            return self._stages.predict(inputs, target)
+            return self._local.predict(inputs, target)
 
     def _eval_step(self, prefix: str, batch: Any) -> Tensor:
         assert self._stages is not None and self.lightning_module is not None
@@ -399,8 +405,11 @@ class DynMoStrategy(WrappedPlugins):
 
     def param_norm(self) -> float:
         """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once."""
-        assert self._stages is not None
-        return self._stages.param_norm(self._part_groups(), self._holders)
+        return self._local.param_norm(self._part_groups(), self._holders)
+
+    def layer_editing(self) -> LayerEditor:
+        """The role of callbacks that change layers' shapes (``protocol.LayerEditing``; ``pipeline/reshape.py``)."""
+        return LayerEditor(self._local, self.optimizers, self.tensor_parallel_size)
 
     def shard_sum(self, values: Tensor) -> Tensor:
         """``values`` summed over the processes holding other parts of this stage's layers (collective over them).
@@ -412,10 +421,7 @@ class DynMoStrategy(WrappedPlugins):
         return values
 
     def _part_groups(self) -> list[dist.ProcessGroup]:
-        """The groups over which this stage's layers are held in parts (none: every process holds them whole)."""
-        mesh = self._mesh
-        found = [mesh.dp_group] if mesh is not None and self.data_parallel == "fsdp" and mesh.dp_group else []
-        return found + ([mesh.tp_group] if mesh is not None and mesh.tp_group is not None else [])
+        return self._mesh.part_groups(self.data_parallel == "fsdp") if self._mesh is not None else []
 
     @property
     def _in_parts(self) -> bool:
@@ -428,15 +434,14 @@ class DynMoStrategy(WrappedPlugins):
 
     def request_profile(self) -> None:
         """Profile the coming training step (callbacks call this in ``on_train_batch_start``; several may)."""
-        assert self._stages is not None
-        self._stages.request_profile()
+        self._local.request_profile()
 
     def profile_results(self) -> dict[int, dict[str, float]] | None:
         """Every layer's measured costs of the step just profiled (collective), or ``None`` if it was not profiled."""
-        assert self._stages is not None and self._mesh is not None
+        assert self._mesh is not None
         rows, mesh = len(self._mesh.layout.replicas), self._mesh  # every pipeline plans from the same numbers
         replicas = (mesh.stage_control or mesh.dp_control, rows) if rows > 1 else None
-        return self._stages.profile_results(self.optimizers[0] if self.optimizers else None, replicas)
+        return self._local.profile_results(self.optimizers[0] if self.optimizers else None, replicas)
 
     def on_layers_changed(self, layers: list[int] | None = None) -> None:
         """Rebuild stages and schedules (their boundaries' gradients may have changed) before the next step."""
@@ -470,8 +475,7 @@ class DynMoStrategy(WrappedPlugins):
 
     def set_fsdp_memory(self, way: str) -> None:
         """Hold FSDP2 units' weights and gradients ``way`` (``"fast"``, ``"lean"``) from the next step on."""
-        assert self._stages is not None
-        self._stages.set_lean(way == "lean")
+        self._local.set_lean(way == "lean")
 
     def run_neighbours(self, stage_of: Callable[[int], DiffusionStage]) -> NeighbourStats:
         """Drive this process's stage ``stage_of(pp_rank)`` of the diffusion protocol, point-to-point to neighbours."""
@@ -541,8 +545,7 @@ class DynMoStrategy(WrappedPlugins):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self._stages is not None
-        return ckpt.named_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self._stages.param_names())
+        return ckpt.named_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self._local.param_names())
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -575,9 +578,8 @@ class DynMoStrategy(WrappedPlugins):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self._stages is not None
         group = self._mesh.control if self._mesh is not None else None
-        sharded.load_optimizers(self.optimizers, checkpoint, self._stages.param_names(), group, self.root_device)
+        sharded.load_optimizers(self.optimizers, checkpoint, self._local.param_names(), group, self.root_device)
 
     @override
     def teardown(self) -> None:

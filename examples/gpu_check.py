@@ -8,7 +8,7 @@
 Its sections come in two parts (:data:`PARTS`), one call each, so that a device lent for minutes runs each in one
 call of at most 5 minutes (:data:`ESTIMATED_SECONDS`: estimates from the sizes, until a device run confirms them);
 ``--part N`` writes ``gpu_check_partN.json``, ``--sections a,b`` runs sections of either part. It needs torch
-(>= 2.9), lightning, torchmetrics and, for its Hugging Face section, transformers; not Hydra. Every section is
+(>= 2.11), lightning, torchmetrics and, for its Hugging Face section, transformers; not Hydra. Every section is
 independent: its result, or its error (type, message, the end of the traceback), goes into ``--out``, which is
 rewritten after every section, so a run cut short keeps what finished (``pending``: the sections it did not reach).
 A section that cannot run here (it needs two GPUs; compiled layers on CPU without ``--compile``) reports ``ok: null``

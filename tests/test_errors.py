@@ -11,6 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from support.helpers import V_ON_GLOO
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -145,7 +146,8 @@ def test_interleaved_schedule_constraints():
 def test_zero_bubble_schedule_constraints():
     from dynmo_lightning.pipeline.runtime import check_schedule
 
-    with pytest.raises(ValueError, match="'zbv' needs at least 2 processes"):
+    # (torch < 2.13 refuses a V on gloo first: test_v_schedules_on_gloo_need_torch_2_13)
+    with pytest.raises(ValueError, match="'zbv' needs at least 2 processes" if V_ON_GLOO else "needs torch >= 2.13"):
         _fit(tiny_gpt(), DynMoStrategy(schedule="zbv", stages_per_rank=2))
     for stages in (2, 6):  # one or three stages per rank: the V holds exactly two
         with pytest.raises(ValueError, match=r"exactly two stages on every rank .*strategy.stages_per_rank=2"):
@@ -280,3 +282,17 @@ def test_checkpoint_of_another_model(tmp_path):
         _fit(GPT(n_layer=2, n_embd=64, n_head=4, block_size=32), ckpt_path=str(path))
     with pytest.raises(RuntimeError, match=r"does not match the model: missing keys \['blocks.2"):
         _fit(GPT(n_layer=3, n_embd=32, n_head=4, block_size=32), ckpt_path=str(path))
+
+
+def test_v_schedules_on_gloo_need_torch_2_13(monkeypatch):
+    """torch 2.11's runtime sends the V's middle stages' shapes from a process to itself, which gloo cannot do."""
+    from dynmo_lightning.pipeline import launcher
+
+    cpu = [torch.device("cpu")]
+    if V_ON_GLOO:
+        launcher.check_v_schedule("zbv", None, cpu)  # this torch (>= 2.13) keeps it local
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.11.0+cu130"))
+    with pytest.raises(ValueError, match=r"strategy.schedule='zbv' on gloo needs torch >= 2.13 \(this is 2.11.0"):
+        launcher.check_v_schedule("zbv", None, cpu)
+    launcher.check_v_schedule("interleaved_zb", None, cpu)  # looped: no two adjacent stages on one process
+    launcher.check_v_schedule("dualpipev", None, [torch.device("cuda", 0)])  # NCCL sends to itself

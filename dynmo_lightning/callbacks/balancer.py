@@ -119,8 +119,9 @@ class DynMoBalancer(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._bound = control = self._strategy(trainer)
         if self.settings.memory_capacity == "auto":
-            total = device_memory(trainer.strategy.root_device)  # None on CPU: no limit
-            capacity = None if total is None else total * (1.0 - self.settings.memory_margin)
+            # what the device has for this process as training starts (others' memory is not): None on CPU
+            usable = device_memory(trainer.strategy.root_device)
+            capacity = None if usable is None else usable * (1.0 - self.settings.memory_margin)
             self.policy.settings = dataclasses.replace(self.policy.settings, memory_capacity=capacity)
         self.pipeline_check_job(JobShape(control.world_size, control.pp_size, control.stages_per_rank, None,
                                          control.data_parallel, control.tensor_parallel_size))  # fmt: skip
@@ -143,8 +144,8 @@ class DynMoBalancer(Callback):
             job: the job's size and layout.
 
         Raises:
-            ValueError: ``min_stages`` above the pipeline's processes, several stages per rank, FSDP2 / replicate
-                units or tensor parallelism (in this order).
+            ValueError: ``min_stages`` above the pipeline's processes, several stages per rank, or released
+                processes as replicas of layers split by tensor parallelism (in this order).
         """
         if not self.settings.repack:
             return
@@ -155,19 +156,14 @@ class DynMoBalancer(Callback):
             )
         if job.stages_per_rank != 1:
             raise ValueError("balancer.repack needs one stage per rank (strategy.stages_per_rank=1)")
-        if job.data_parallel != "ddp":
-            # A consolidation restarts the world on fewer processes: units would have to be sharded again over new
-            # replica groups, and released processes joining as replicas would reshard every layer.
+        if job.tensor_parallel_size > 1 and self.settings.on_release == "data_parallel":
+            # Released processes as replicas re-shard every layer over a larger replica group; a layer split over
+            # the tensor-parallel group too would have to be joined over both mesh dimensions first.
             raise ValueError(
-                f"balancer.repack with strategy.data_parallel={job.data_parallel!r} is not supported: consolidation "
-                "restarts the world, and FSDP2 / replicate units cannot follow it yet. Use balancer.repack=false "
-                "(layers still move between stages), or strategy.data_parallel='ddp'"
-            )
-        if job.tensor_parallel_size > 1:
-            raise ValueError(
-                f"balancer.repack with strategy.tensor_parallel_size={job.tensor_parallel_size} is not supported: "
-                "consolidation restarts the world on fewer processes, and the layers' splits cannot follow it yet. "
-                "Use balancer.repack=false (layers still move between stages), or strategy.tensor_parallel_size=1"
+                f"balancer.on_release='data_parallel' with strategy.tensor_parallel_size={job.tensor_parallel_size} "
+                "is not supported: released processes becoming replicas re-shard every layer over the grown replica "
+                "group, which layers split by tensor parallelism cannot follow yet. Use balancer.on_release='exit' "
+                "or 'wait' (consolidation works), or strategy.tensor_parallel_size=1"
             )
 
     def _check_memory_capacity(self, job: JobShape) -> None:
@@ -189,13 +185,13 @@ class DynMoBalancer(Callback):
                 f"balancer.memory_capacity has {len(caps)} entries for the job's {job.n_stages} pipeline stages: "
                 "give one number (every stage) or one per stage"
             )
-        sizes = [int(b * job.held_fraction) for b in job.layer_param_bytes or []]  # a shard per process under fsdp
+        # A lower bound: the weights as a process holds them at rest (its shards under fsdp), nothing else.
+        sizes = [int(b * job.held_fraction) for b in job.layer_param_bytes or []]
         if sizes and (max(sizes) > max(caps) or sum(sizes) > sum(caps)):
             raise ValueError(
                 f"balancer.memory_capacity={capacity} bytes cannot hold the model: its largest layer's weights "
                 f"alone are {max(sizes):,} bytes and all layers' {sum(sizes):,} bytes over {job.n_stages} stages "
-                "(gradients, optimizer state and activations come on top). Raise it, or set "
-                "balancer.memory_capacity=null to plan without memory."
+                f"{_on_top(job)}. Raise it, or set balancer.memory_capacity=null to plan without memory."
             )
 
     @override
@@ -288,8 +284,10 @@ class DynMoBalancer(Callback):
             return
         strategy.set_fsdp_memory(way)
         self.history.append({"step": trainer.global_step, "fsdp_memory": way})
-        rank_zero_info(f"DynMo: FSDP2 units run the {way} way from step {trainer.global_step} on "
-                       f"(strategy.fsdp_memory='auto', balancer.memory_capacity={self.settings.memory_capacity})")
+        rank_zero_info(
+            f"DynMo: FSDP2 units run the {way} way from step {trainer.global_step} on "
+            f"(strategy.fsdp_memory='auto', balancer.memory_capacity={self.settings.memory_capacity})"
+        )
 
     def _migrate(
         self,
@@ -427,3 +425,14 @@ def _rank_loads(stage_loads: list[float], strategy: PipelineControl) -> list[flo
         return stage_loads  # the split of another pipeline (before a resize): per stage
     owned = rank_stages(strategy.schedule, strategy.pp_size, strategy.stages_per_rank)
     return [sum(stage_loads[s] for s in stages) for stages in owned]
+
+
+def _on_top(job: JobShape) -> str:
+    """What a step holds besides the weights the pre-launch check counts (as a process holds them at rest)."""
+    if job.data_parallel != "fsdp":
+        return "(gradients, optimizer state and activations come on top)"
+    return (
+        "(as a process holds them at rest under fsdp: 1/D of each layer; during a step it holds more: under "
+        "strategy.fsdp_memory='fast', the default, its stage's gathered weights and whole gradients, under "
+        "'lean' one layer's at a time; optimizer state and activations come on top)"
+    )

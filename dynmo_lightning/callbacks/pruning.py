@@ -29,9 +29,11 @@ gathered from every process, so all stages prune the same units.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from itertools import accumulate
 from typing import Any, Protocol, runtime_checkable
 
@@ -43,7 +45,7 @@ from torch.optim import Optimizer
 from typing_extensions import Self, override
 
 from dynmo_lightning.core.callback_tools import all_gather, layers_changed, local_layers
-from dynmo_lightning.core.control import JobShape, pipeline_control
+from dynmo_lightning.core.control import LayerEditing, layer_editing
 from dynmo_lightning.core.parts import held_parts, local_part
 from dynmo_lightning.settings import build, configured_by, from_settings
 
@@ -97,6 +99,10 @@ class PruningSettings:
     """``"global"`` (rank units or weights across all layers) or ``"layer"`` (each module on its own)."""
     min_units: int = 1
     """Units every structured module keeps at least."""
+    multiple_of: int = 1
+    """Every structured module keeps a multiple of this many units (rounded up with its next best ones), e.g. 8 for
+    widths the matrix units like. Under tensor parallelism also a multiple of ``strategy.tensor_parallel_size`` (the
+    least common multiple of both): every process of a stage holds an equal part of a layer's heads and neurons."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.final_sparsity < 1.0:
@@ -116,6 +122,8 @@ class PruningSettings:
             raise ValueError(f"dynamics.scope={self.scope!r} is not one of {list(SCOPES)}")
         if self.min_units < 1:
             raise ValueError(f"dynamics.min_units={self.min_units} must be >= 1")
+        if self.multiple_of < 1:
+            raise ValueError(f"dynamics.multiple_of={self.multiple_of} must be >= 1")
 
 
 class GradualPruning(Callback):
@@ -138,34 +146,8 @@ class GradualPruning(Callback):
         """The callback of one settings object (``overrides`` replace some of its fields)."""
         return from_settings(cls, PruningSettings, settings, overrides)
 
-    def pipeline_check_job(self, job: JobShape) -> None:
-        """Refuse structured pruning of sharded layers before any worker starts (see :meth:`setup`).
-
-        Raises:
-            ValueError: ``mode="structured"`` under ``data_parallel`` ``"fsdp"`` or ``"replicate"``, or under tensor
-                parallelism.
-        """
-        if self.settings.mode == "structured" and job.tensor_parallel_size > 1:
-            raise ValueError(
-                f"dynamics.mode='structured' pruning removes heads and neurons, which strategy.tensor_parallel_size="
-                f"{job.tensor_parallel_size} splits evenly over a stage's processes: use dynamics.mode=unstructured, "
-                "or strategy.tensor_parallel_size=1"
-            )
-        if self.settings.mode == "structured" and job.data_parallel != "ddp":
-            # Removing units gives parameters new shapes; an FSDP2 / replicate unit manages the shapes it was made
-            # with. Unstructured pruning (masks on the local shards) works.
-            raise ValueError(
-                f"dynamics.mode='structured' pruning changes the layers' shapes, which strategy.data_parallel="
-                f"{job.data_parallel!r} units cannot follow yet: use dynamics.mode=unstructured, or "
-                "strategy.data_parallel='ddp'"
-            )
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        control = pipeline_control(trainer)
-        if control is not None:
-            self.pipeline_check_job(JobShape(control.world_size, control.pp_size, control.stages_per_rank, None,
-                                             control.data_parallel, control.tensor_parallel_size))  # fmt: skip
         if self.settings.mode == "structured" and self._static_shapes is None:
             self._static_shapes = _parameter_shapes_static(False)
 
@@ -213,50 +195,55 @@ class GradualPruning(Callback):
 
     # ----------------------------------------------------------------------------------------------------------------
     def _prune_units(self, pl_module: pl.LightningModule, target: float, optimizers: Sequence[Optimizer]) -> None:
-        modules = {
-            (i, name): m
-            for i, layer in local_layers(pl_module)
-            for name, m in layer.named_modules()
-            if isinstance(m, PrunableUnits)
-        }
-        # All local scores come to the host in one read (one device synchronisation per pruning step).
-        local = [m.unit_scores().detach().float().flatten() for m in modules.values()]
-        flat = torch.cat(local).tolist() if local else []
-        bounds = list(accumulate((len(t) for t in local), initial=0))
-        scores = {
-            key: (m.unit_kind, m.initial_units, flat[bounds[n] : bounds[n + 1]])
-            for n, (key, m) in enumerate(modules.items())
-        }
+        """Score every prunable module's units, choose the same units everywhere, and remove the rest.
+
+        Under a strategy that holds layers in parts (FSDP2 shards, tensor-parallel parts: :class:`LayerEditing`),
+        each layer is read whole to score it, and changed whole (its optimizer state with it), then made parts
+        again; every process holding a part of a layer takes part, in layer order.
+        """
+        editing = layer_editing(pl_module.trainer)
+        layers = [(i, layer) for i, layer in local_layers(pl_module) if _prunable(layer)]
+        names = {i: [name for name, m in layer.named_modules() if isinstance(m, PrunableUnits)] for i, layer in layers}
+        scores = _local_scores(layers, names, editing)
         everyone = {key: value for part in all_gather(scores, pl_module.trainer) for key, value in part.items()}
-        keep = self._units_to_keep(everyone, target)
-        for key, m in modules.items():
-            if len(keep[key]) < len(everyone[key][2]):
-                m.keep_units(keep[key].to(next(m.parameters()).device), optimizers)
+        multiple = math.lcm(self.settings.multiple_of, 1 if editing is None else editing.unit_multiple)
+        keep = self._units_to_keep(everyone, target, multiple)
+        for i, _ in layers:
+            cut = {name: keep[(i, name)] for name in names[i] if len(keep[(i, name)]) < len(everyone[(i, name)][2])}
+            if cut:
+                _change(pl_module, i, functools.partial(_keep_units, cut), optimizers, editing)
         # The same set on every process (all scores were gathered): the balancer restarts these layers' costs.
         changed = {key[0] for key, (_, _, scores) in everyone.items() if len(keep[key]) < len(scores)}
         layers_changed(pl_module.trainer, changed)
 
-    def _units_to_keep(self, scores: dict[Any, tuple[str, int, list[float]]], target: float) -> dict[Any, Tensor]:
-        """Ascending indices of the units each module keeps; the same result on every process."""
-        keep: dict[Any, Tensor] = {}
+    def _units_to_keep(
+        self, scores: dict[Any, tuple[str, int, list[float]]], target: float, multiple: int = 1
+    ) -> dict[Any, Tensor]:
+        """Ascending indices of the units each module keeps; the same result on every process.
+
+        ``multiple``: every module keeps a multiple of it (the tensor-parallel size), rounded up with its next best
+        units; ``min_units`` is rounded up likewise.
+        """
+        least = _round_up(self.settings.min_units, multiple)
         if self.settings.scope == "layer":
-            for key, (_, initial, s) in scores.items():
-                keep[key] = torch.tensor(_top(s, max(self.settings.min_units, math.ceil((1 - target) * initial))))
-            return keep
+            return {key: torch.tensor(_top(s, min(len(s), _round_up(max(least, math.ceil((1 - target) * initial)),
+                                                                    multiple))), dtype=torch.long)
+                    for key, (_, initial, s) in scores.items()}  # fmt: skip
+        keep: dict[Any, Tensor] = {}
         for kind in sorted({kind for kind, _, _ in scores.values()}):
             keys = sorted(k for k, v in scores.items() if v[0] == kind)
             total = sum(scores[k][1] for k in keys)
-            budget = max(len(keys) * self.settings.min_units, math.ceil((1 - target) * total))
+            budget = max(len(keys) * least, math.ceil((1 - target) * total))
             # Every module keeps its min_units best units; the rest of the budget goes to the best scores anywhere.
             # Ties break by (module, unit) order, so every process picks the same units.
-            chosen = {k: set(_top(scores[k][2], min(self.settings.min_units, len(scores[k][2])))) for k in keys}
+            chosen = {k: set(_top(scores[k][2], min(least, len(scores[k][2])))) for k in keys}
             rest = sorted(
                 ((-v, n, j) for n, k in enumerate(keys) for j, v in enumerate(scores[k][2]) if j not in chosen[k])
             )
             for _, n, j in rest[: max(0, budget - sum(len(c) for c in chosen.values()))]:
                 chosen[keys[n]].add(j)
             for k in keys:
-                keep[k] = torch.tensor(sorted(chosen[k]), dtype=torch.long)
+                keep[k] = torch.tensor(sorted(_rounded_up(chosen[k], scores[k][2], multiple)), dtype=torch.long)
         return keep
 
     def _prune_weights(self, pl_module: pl.LightningModule, target: float, optimizers: Sequence[Optimizer]) -> None:
@@ -343,6 +330,63 @@ def global_magnitude_threshold(
 
 #: The bit pattern of float32 infinity: the largest magnitude counted (NaN patterns lie above it).
 _INF_BITS = 0x7F800000
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _rounded_up(chosen: set[int], scores: Sequence[float], multiple: int) -> set[int]:
+    """``chosen`` units with the next best ones added until their count is a multiple of ``multiple`` (or all)."""
+    more = _round_up(len(chosen), multiple) - len(chosen)
+    best = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+    return chosen | set([j for j in best if j not in chosen][:more])
+
+
+def _local_scores(
+    layers: Sequence[tuple[int, nn.Module]], names: dict[int, list[str]], editing: LayerEditing | None
+) -> dict[tuple[int, str], tuple[str, int, list[float]]]:
+    """``{(layer, module): (unit kind, initial units, scores)}`` of this process's prunable modules.
+
+    Each layer is read whole (``editing``: a copy if held in parts); all scores come to the host in one read (one
+    device synchronisation per pruning step).
+    """
+    local: list[Tensor] = []
+    info: dict[tuple[int, str], tuple[str, int]] = {}
+    for i, layer in layers:
+        with nullcontext(layer) if editing is None else editing.whole_layer(i) as held:
+            for name in names[i]:
+                m = held.get_submodule(name)
+                local.append(m.unit_scores().detach().float().flatten())  # new tensors: not the copy's
+                info[(i, name)] = (m.unit_kind, m.initial_units)
+    flat = torch.cat(local).tolist() if local else []
+    bounds = list(accumulate((len(t) for t in local), initial=0))
+    return {key: (*info[key], flat[bounds[n] : bounds[n + 1]]) for n, key in enumerate(info)}
+
+
+def _change(
+    pl_module: pl.LightningModule,
+    index: int,
+    change: Callable[[nn.Module, Sequence[Any]], None],
+    optimizers: Sequence[Optimizer],
+    editing: LayerEditing | None,
+) -> None:
+    """Apply ``change`` to local layer ``index``: where it is, or whole through the strategy's ``editing`` role."""
+    if editing is None:
+        change(pl_module.pipeline_layers()[index], optimizers)
+    else:
+        editing.reshape_layer(index, change)
+
+
+def _keep_units(cut: dict[str, Tensor], layer: nn.Module, optimizers: Sequence[Any]) -> None:
+    """Keep units ``cut[name]`` of every module ``name`` of ``layer`` (its optimizer state with it)."""
+    for name, kept in cut.items():
+        m = layer.get_submodule(name)
+        m.keep_units(kept.to(next(m.parameters()).device), optimizers)
+
+
+def _prunable(layer: nn.Module) -> bool:
+    return any(isinstance(m, PrunableUnits) for m in layer.modules())
 
 
 def _top(scores: Sequence[float], k: int) -> list[int]:

@@ -1,12 +1,14 @@
-"""The strategy contracts callbacks rely on: :class:`PipelineControl`, :class:`PreLaunchCheck`, :class:`JobShape`.
+"""The strategy contracts callbacks rely on: :class:`PipelineControl` and its roles, :class:`PreLaunchCheck`.
 
-``DynMoStrategy`` implements :class:`PipelineControl`; callbacks find it with :func:`pipeline_control` and never
-import the strategy.
+``DynMoStrategy`` implements :class:`PipelineControl` and gives the :class:`LayerEditing` role; callbacks find them
+with :func:`pipeline_control` and :func:`layer_editing` and never import the strategy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
@@ -212,6 +214,35 @@ class PipelineControl(Protocol):
         layers whole, ``values`` itself.
         """
         ...
+
+
+@runtime_checkable
+class LayerEditing(Protocol):
+    """The role of a callback that changes a layer's shapes (structured pruning): read it whole, change it whole.
+
+    A layer held in parts (FSDP2 shards, tensor-parallel parts) is gathered for either (collective over the processes
+    holding its parts: all of them call with the same layers in the same order) and made parts again after a change.
+    """
+
+    @property
+    def unit_multiple(self) -> int:
+        """What a prunable unit count must stay a multiple of (the tensor-parallel size: each process holds 1/T)."""
+        ...
+
+    def whole_layer(self, index: int) -> AbstractContextManager[Any]:
+        """Within: local layer ``index`` whole, to read (a copy if held in parts)."""
+        ...
+
+    def reshape_layer(self, index: int, change: Callable[[Any, Sequence[Any]], None]) -> None:
+        """Apply ``change(layer, optimizers)`` to local layer ``index`` whole, its optimizer state with it."""
+        ...
+
+
+def layer_editing(trainer: Any) -> LayerEditing | None:
+    """The trainer's strategy's :class:`LayerEditing` role, or ``None`` (layers are then changed where they are)."""
+    role = getattr(getattr(trainer, "strategy", None), "layer_editing", None)
+    editing = role() if callable(role) else None
+    return editing if isinstance(editing, LayerEditing) else None
 
 
 def pipeline_control(trainer: Any) -> PipelineControl | None:

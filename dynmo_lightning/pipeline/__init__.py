@@ -14,6 +14,8 @@
 * ``precision`` - the Trainer's precision plugin, with clipping by the pipeline's global gradient norm.
 * ``reduce`` - whole-model sums over stages (loss, gradient and parameter norms, layer costs), averages over replicas.
 * ``release`` - telling the job manager (Slurm, a command) which ranks and whole nodes a consolidation freed.
+* ``reshape`` - a layer held in parts stripped whole, changed (structured pruning) and made parts again; every layer
+  re-homed on a new world's meshes after a consolidation or growth.
 * ``resize`` - the strategy's shrink and grow (it reads ``ResizeHost``, returns ``Resized``, never writes back).
 * ``runtime`` - stages and schedules of ``torch.distributed.pipelining`` from a partition (:class:`StagePlan`).
 * ``safe_load`` - reading checkpoint files without running code from them.

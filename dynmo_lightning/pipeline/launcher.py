@@ -223,6 +223,26 @@ def check_trainer(trainer: pl.Trainer, module: pl.LightningModule, precision: Pr
         )
 
 
+def check_v_schedule(schedule: str, backend: str | None, devices: Sequence[torch.device]) -> None:
+    """Refuse a V schedule on gloo with a torch whose pipeline runtime sends a stage's outputs to the same process.
+
+    ZBV and DualPipeV put stages ``P - 1`` and ``P`` on one rank; torch 2.11's schedule runtime exchanges their
+    shapes with a point-to-point send to that same process at its first step, which gloo cannot do ("Pair is not
+    connected"). torch 2.13 keeps it local (tested); NCCL sends to itself.
+
+    Raises:
+        ValueError: a V schedule on CPU devices (or gloo) with torch older than 2.13.
+    """
+    on_gloo = backend == "gloo" or (backend is None and not any(d.type == "cuda" for d in devices))
+    if schedule in V_SCHEDULES and on_gloo and torch.__version__ < (2, 13):
+        raise ValueError(
+            f"strategy.schedule={schedule!r} on gloo needs torch >= 2.13 (this is {torch.__version__}): torch's "
+            "pipeline runtime sends the V's two middle stages' shapes from a process to itself, which gloo cannot "
+            "do. Use strategy.schedule='interleaved_zb' (the looped zero-bubble schedule), NCCL on GPUs, or a newer "
+            "torch."
+        )
+
+
 def check_backend(backend: str | None, devices: Sequence[torch.device]) -> None:
     """Refuse a process group backend that cannot carry the devices' tensors: gloo for CUDA devices.
 
@@ -384,6 +404,7 @@ def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
     tp = strategy.settings.tensor_parallel_size
     check_world(world_size, strategy.data_parallel_size, tp)
     check_backend(strategy.process_group_backend, strategy.parallel_devices or [])
+    check_v_schedule(strategy.schedule, strategy.process_group_backend, strategy.parallel_devices or [])
     pp_size, sizes = world_size // (strategy.data_parallel_size * tp), None
     data_parallel = strategy.settings.data_parallel
     if isinstance(module, pl.LightningModule):

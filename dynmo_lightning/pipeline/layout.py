@@ -142,7 +142,12 @@ class ReplicaLayout:
             The new layout (in the current global ranks) and the ``(src, dst)`` global-rank pairs whose layers must
             be copied to make the new replicas.
         """
-        assert self.tp_size == 1, "consolidation is refused under tensor parallelism before launch"
+        if self.tp_size > 1:
+            # Every pipeline (a replica's tensor-parallel rank) keeps the same ranks: the stages' tensor-parallel
+            # groups stay together, each process at its place (the layers' parts stay valid in the new world).
+            assert on_release != "data_parallel", "refused under tensor parallelism before launch"
+            rows = [[ranks[r] for r in keep_ranks] for ranks in self.replicas]
+            return ReplicaLayout(rows, self.shards, self.parts, self.tp_size), []
         replicas: list[list[int]] = []
         shards: list[tuple[int, int]] = []
         parts: list[tuple[int, int]] = []
@@ -311,6 +316,14 @@ class Mesh:
     tp_group: dist.ProcessGroup | None = None
     stage_control: dist.ProcessGroup | None = None
     own_group: dist.ProcessGroup | None = None
+
+    def part_groups(self, sharded: bool) -> list[dist.ProcessGroup]:
+        """The groups a stage's layers are held in parts over (none: every process holds them whole).
+
+        The replicas when ``sharded`` (FSDP2), and the tensor-parallel group.
+        """
+        found = [self.dp_group] if sharded and self.dp_group is not None else []
+        return found + ([self.tp_group] if self.tp_group is not None else [])
 
     @functools.cached_property
     def replica_mesh(self) -> Any:

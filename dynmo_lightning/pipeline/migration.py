@@ -404,6 +404,7 @@ def replicate(
     *,
     pipe: PipelineGroup,
     job: dist.ProcessGroup | None,
+    sharding: StageSharding | None = None,
 ) -> MigrationStats:
     """Copy every layer of each ``src`` to ``dst`` (global ranks of ``pipe``), with optimizer state (collective).
 
@@ -417,6 +418,9 @@ def replicate(
         copies: ``(src, dst)`` pairs of global ranks of one pipeline each, the same list on every process.
         pipe: this process's pipeline (the copies of its pairs travel on its groups).
         job: the CPU group of the whole job (``Mesh.control``).
+        sharding: how replicas share the layers: a copy of a unit arrives as the source's parts and is a unit again
+            over the receiver's replica group, at the source's place in it (``pipeline/reshape.py`` re-homes it in
+            the new world).
     """
     clock = DeviceClock(pipe.device)
     start = clock.now()
@@ -430,7 +434,7 @@ def replicate(
             f"({slots.local_indices() if receiving else 'on another process'}); nothing was changed"
         )
     mine = [(src, dst, slots.local_indices() if me == src else ()) for src, dst in copies if me in (src, dst)]
-    transfer = functools.partial(_transfer, slots, optimizers, mine, me, pipe, stats, clock)
+    transfer = functools.partial(_transfer, slots, optimizers, mine, me, pipe, stats, clock, sharding)
     _two_phase(f"copying layers to new replicas {list(copies)}", job, transfer, slots, optimizers)
     stats.seconds = clock.elapsed(start, clock.now())
     return stats
@@ -446,6 +450,7 @@ def pack(
     *,
     pipe: PipelineGroup,
     job: dist.ProcessGroup | None,
+    sharding: StageSharding | None = None,
 ) -> MigrationStats:
     """Move every layer onto the pipeline ranks ``keep_ranks``, then copy them to new replicas (collective).
 
@@ -458,11 +463,12 @@ def pack(
         copies: ``(src, dst)`` global ranks: every layer of ``src`` is copied to ``dst`` (see :func:`replicate`).
         pipe: this process's pipeline.
         job: the CPU group of the whole job.
+        sharding: how replicas share the layers (see :func:`migrate`).
     """
     target = [0] * plan.n_ranks
     for stage, rank in enumerate(keep_ranks):
         target[rank] = layers_per_stage[stage]
-    stats = migrate(slots, optimizers, plan, plan.with_layers(target), pipe=pipe)
+    stats = migrate(slots, optimizers, plan, plan.with_layers(target), pipe=pipe, sharding=sharding)
     if copies:
-        stats.add(replicate(slots, optimizers, copies, pipe=pipe, job=job))
+        stats.add(replicate(slots, optimizers, copies, pipe=pipe, job=job, sharding=sharding))
     return stats

@@ -523,6 +523,20 @@ class _Stage(PipelineStage):
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
         return grads, None
 
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        """The sends of a micro-batch's input gradients; a ``None`` one a previous stage waits for is sent as zeros.
+
+        An input whose gradient is ``None`` although it requires one (an input no loss depends on: MoE's carried
+        auxiliary loss when its coefficient is 0) has a zero gradient. torch 2.13 skips it on both ends; torch 2.11
+        (``PipelineStage`` without ``_get_grad_send_meta``) refuses it while the previous stage waits for it.
+        """
+        if not _SKIPS_NONE_GRADS and self.has_backward and not self.is_first:
+            if self.grad_send_info is None:
+                self.grad_send_info = self._create_grad_send_info(self.args_recv_info[0])
+            grads = self.bwd_cache[bwd_chunk_id]
+            self.bwd_cache[bwd_chunk_id] = zero_missing_grads(grads, self.grad_send_info, self.args_recv_info[0])
+        return super().get_bwd_send_ops(bwd_chunk_id)
+
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         """The replicas' gradient reduction after the last backward (FSDP2 / replicate units)."""
         if self._sharding.units:
@@ -548,6 +562,18 @@ class _Stage(PipelineStage):
             return
         with self._profiler.weight_pass():
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+
+#: Whether torch's pipeline stage itself skips an input gradient that is ``None`` (torch >= 2.12: it asks its metadata).
+_SKIPS_NONE_GRADS = hasattr(PipelineStage, "_get_grad_send_meta")
+
+
+def zero_missing_grads(grads: Sequence[Any], send_to: Sequence[Any], received: Sequence[Any]) -> tuple[Any, ...]:
+    """``grads`` of a stage's inputs, a zero (the received input's shape) where one is ``None`` but a stage waits."""
+    return tuple(
+        torch.zeros_like(info.buffer) if grad is None and stage is not None else grad
+        for grad, stage, info in zip(grads, send_to, received, strict=True)
+    )
 
 
 def _meta(t: Tensor) -> Tensor:

@@ -185,6 +185,16 @@ def build_in_parts(
     """
     if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
         materialise_layer(module, index, layer, seed, torch.device("cpu"))
+    apply_in_parts(index, layer, device, parts)
+
+
+def apply_in_parts(index: int, layer: nn.Module, device: torch.device, parts: Callable[[int, nn.Module], None]) -> None:
+    """Make the real, whole ``layer`` (on the host or on ``device``) this process's parts of it, on ``device``.
+
+    ``parts`` splits and shards it on the meta device, ``to_empty`` gives its parts storage, and each part is filled
+    from the whole value it is a part of (no communication: every process holds the whole layer). The whole values
+    are freed as the layer's tensors are replaced: afterwards this process holds its parts only.
+    """
     # Aliases of the values: the layer's own tensors become meta ones below.
     values = {name: t.detach() for name, t in _tensors(layer)}
     layer.to(device="meta")

@@ -9,8 +9,9 @@ different stages (:mod:`~dynmo_lightning.pipeline.ties`) and the schedule runtim
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -27,6 +28,7 @@ from dynmo_lightning.pipeline.evaluation import EvalOutput
 from dynmo_lightning.pipeline.layers import LayerSlots
 from dynmo_lightning.pipeline.layout import PipelineGroup, ReplicaLayout
 from dynmo_lightning.pipeline.migration import MigrationStats, migrate, pack
+from dynmo_lightning.pipeline.reshape import Change, rehome, reshape, whole
 from dynmo_lightning.pipeline.runtime import PipelineRuntime, StagePlan, StepResult
 from dynmo_lightning.pipeline.sharding import StageSharding
 from dynmo_lightning.pipeline.split import count_params, initial_partition, pipeline_layers, split_module
@@ -304,6 +306,21 @@ class LocalStages:
         self.runtime.invalidate()  # stage roots are made again with the next schedule
         self.sharding.set_lean(lean, (self.slots.get(i) for i in self.slots.local_indices()))
 
+    @contextlib.contextmanager
+    def whole_layer(self, index: int) -> Iterator[nn.Module]:
+        """Within: local layer ``index`` whole, to read (a copy if it is held in parts: collective over its groups)."""
+        with whole(self.slots.get(index), self.device) as layer:
+            yield layer
+
+    def reshape_layer(self, index: int, change: Change, optimizers: Sequence[Optimizer]) -> None:
+        """Apply ``change`` to local layer ``index`` whole, with its optimizer state (``pipeline/reshape.py``).
+
+        Collective over the layer's replica and tensor-parallel groups when it is held in parts; the stages are
+        built again before the next step.
+        """
+        self._drop_stages()
+        reshape(self.slots, index, change, optimizers, self.device, self._apply_parts)
+
     def _drop_stages(self) -> None:
         """Forget the built stages before layers move: their buffers, and the root the units ran under, go."""
         self.runtime.invalidate()
@@ -323,12 +340,19 @@ class LocalStages:
         """
         self._drop_stages()  # as in :meth:`migrate`
         args = (self.slots, optimizers, self.plan, keep_ranks, layers_per_stage, copies)
-        stats = pack(*args, pipe=self.pipe, job=job)
+        stats = pack(*args, pipe=self.pipe, job=job, sharding=self.sharding)
         release_cached_memory(self.device)
         return stats
 
     def adopt(self, plan: StagePlan, pipe: PipelineGroup, optimizers: Sequence[Optimizer]) -> None:
-        """Run ``plan`` on ``pipe`` of a new world (layers already packed; the ties get new groups)."""
+        """Run ``plan`` on ``pipe`` of a new world (layers already packed; the ties get new groups).
+
+        Layers held in parts are made parts again on the new world's meshes first (``pipeline/reshape.rehome``:
+        collective over every stage group of the new world).
+        """
+        self._drop_stages()
+        rehome(self.slots, optimizers, self.device, self.sharding, self._apply_parts)
+        self.shard()  # compiled again where a layer was taken apart
         self.runtime.set_plan(plan, pipe)
         self.ties.follow(self.slots, plan, pipe.rank, optimizers, new_world=True)
 
@@ -352,3 +376,26 @@ class LocalStages:
         """Indices of all pipeline layers sharing ``param`` (a local parameter) in the unsplit model; empty if none."""
         name = next((n for n, p in self.module.named_parameters() if p is param), None)
         return self.ties.layers_of(name) if name is not None else set()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerEditor:
+    """The strategy's role for callbacks that change layers' shapes (:class:`~dynmo_lightning.protocol.LayerEditing`).
+
+    Attributes:
+        stages: this process's stages (the layers, their parts, how they are made).
+        optimizers: the optimizers holding the layers' parameters (their state changes with them).
+        unit_multiple: what prunable unit counts stay a multiple of (the tensor-parallel size).
+    """
+
+    stages: LocalStages
+    optimizers: Sequence[Optimizer]
+    unit_multiple: int
+
+    def whole_layer(self, index: int) -> contextlib.AbstractContextManager[nn.Module]:
+        """Within: local layer ``index`` whole, to read (collective over its groups if held in parts)."""
+        return self.stages.whole_layer(index)
+
+    def reshape_layer(self, index: int, change: Change) -> None:
+        """Apply ``change(layer, optimizers)`` to local layer ``index`` whole, then make it parts again."""
+        self.stages.reshape_layer(index, change, self.optimizers)

@@ -121,8 +121,30 @@ def test_unstructured_pruning_masks_weights_and_keeps_them_zero():
         ({"initial_sparsity": 0.6, "final_sparsity": 0.5}, r"initial_sparsity=0.6 must be in \[0, final_sparsity"),
         ({"mode": "random"}, "mode='random' is not one of"),
         ({"scope": "row"}, "scope='row' is not one of"),
+        ({"multiple_of": 0}, "multiple_of=0 must be >= 1"),
     ],
 )
 def test_bad_pruning_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GradualPruning(**kwargs)
+
+
+@pytest.mark.parametrize("scope", ["global", "layer"])
+def test_units_are_kept_in_multiples_of_the_tensor_parallel_size_with_the_next_best(scope):
+    scores = {
+        (0, "mlp"): ("neuron", 8, [8.0, 7, 6, 5, 4, 3, 2, 1]),
+        (1, "mlp"): ("neuron", 8, [1.0, 2, 3, 9, 9, 9, 9, 9]),
+    }
+    pruning = GradualPruning(scope=scope, min_units=1)
+    plain = pruning._units_to_keep(scores, 0.6)  # 40 % of 16 units: 7 (global), ceil(3.2) = 4 per module (layer)
+    paired = pruning._units_to_keep(scores, 0.6, multiple=2)
+    for key, kept in paired.items():
+        assert len(kept) % 2 == 0
+        assert set(plain[key].tolist()) <= set(kept.tolist())  # rounding up only adds units ...
+        assert len(kept) - len(plain[key]) < 2  # ... fewer than the multiple
+        best = sorted(range(8), key=lambda j: (-scores[key][2][j], j))[: len(kept)]
+        assert kept.tolist() == sorted(best)  # ... and the next best ones
+    if scope == "global":
+        assert [len(k) for k in plain.values()] == [2, 5] and [len(k) for k in paired.values()] == [2, 6]
+    # min_units rounds up too
+    assert [len(k) for k in GradualPruning(scope=scope, min_units=3)._units_to_keep(scores, 0.99, 2).values()] == [4, 4]

@@ -261,6 +261,14 @@ def test_regroup_turns_whole_pipelines_of_released_ranks_into_replicas():
     assert _regroup(_layout([[0, 1, 2, 3]]), [0, 1], "exit", 16)[0] == [[0, 1]]
 
 
+def test_regroup_under_tensor_parallelism_keeps_every_stage_group_together():
+    # P = 4 x T = 2 (ranks (p * 2 + t)) packed onto pipeline ranks 0 and 1: both tensor-parallel rows keep them
+    layout = ReplicaLayout.even(8, 1, 2)
+    new, copies = layout.regroup([0, 1], "exit", 16, 4)
+    assert new.replicas == [[0, 2], [1, 3]] and new.tp_size == 2 and copies == []
+    assert new.tp_ranks(1, 0) == [2, 3] and new.renumbered().tp_ranks(1, 0) == [1, 3]
+
+
 def test_regroup_only_splits_batches_into_whole_micro_batches():
     # 12 samples in 4 micro-batches: halves of 6 do not split into 4, so the released ranks exit instead
     with pytest.warns(UserWarning, match=r"does not split into 2 parts of whole micro-batches"):

@@ -45,3 +45,15 @@ def test_evaluation_stages_are_freed_when_training_resumes_and_rebuilt_without_a
     runtime.invalidate()  # layers changed: probe again
     runtime.step(x, y, train=False)
     assert probes == [False, True, False]
+
+
+def test_a_missing_input_gradient_a_stage_waits_for_is_sent_as_zeros():
+    """torch 2.11 refuses a ``None`` input gradient the previous stage waits for (2.13 skips it on both ends)."""
+    from types import SimpleNamespace
+
+    from dynmo_lightning.pipeline.runtime import zero_missing_grads
+
+    received = [SimpleNamespace(buffer=torch.ones(2, 3)), SimpleNamespace(buffer=torch.ones(4))]
+    grads = zero_missing_grads((None, torch.full((4,), 2.0)), [0, 0], received)
+    assert torch.equal(grads[0], torch.zeros(2, 3)) and torch.equal(grads[1], torch.full((4,), 2.0))
+    assert zero_missing_grads((None, None), [None, 0], received)[0] is None  # nobody waits: stays None

@@ -49,12 +49,14 @@ class BalanceSettings:
     """Measurements per layer whose median the moving average folds in (an outlier step does not move it)."""
     memory_capacity: float | list[float] | str | None = None
     """Bytes a process may hold (one number, or one per stage; a process holding several stages gets the smallest
-    of theirs); ``"auto"``: the GPU's memory less a margin (``memory_margin``), no limit on CPU; ``None`` ignores
-    memory. Plans, migrations, repacks and grows are checked against every rank's predicted peak under the
-    schedule (``balance/memory.py``)."""
+    of theirs); ``"auto"``: what each process can hold on its GPU when training starts, less a margin
+    (``memory_margin``): the device's free memory plus what the process holds there already (its own tensors
+    count in the predicted peak; what other processes and the CUDA context hold does not count as free), no limit
+    on CPU; ``None`` ignores memory. Plans, migrations, repacks and grows are checked against every rank's
+    predicted peak under the schedule (``balance/steptime/memory_model.py``)."""
     memory_margin: float = 0.1
-    """The part of a GPU's memory ``memory_capacity="auto"`` leaves free (the allocator's cache, fragmentation,
-    what the model does not account for)."""
+    """The part of the memory ``memory_capacity="auto"`` finds that it leaves free (fragmentation, what the model
+    does not account for)."""
     balance_memory: bool = False
     """Also even out the ranks' predicted peak memory: among splits within ``balance_memory_cost`` of the fastest,
     the one whose largest over smallest peak is the smallest found (needs ``memory_capacity``)."""

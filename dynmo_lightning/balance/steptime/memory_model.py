@@ -55,6 +55,8 @@ class LayerBytes:
             already and it adds to them (every backward of a step but its stage's first): its new gradients until
             they are added, and its casts' gradients (:attr:`cast_grads`) among them (``None``: :attr:`workspace`
             and :attr:`cast_grads`).
+        workspace_input: what a split backward's input part (gradients of the activations, none of the weights)
+            holds at its peak besides the activations (``None``: as :attr:`workspace`).
         outputs: its output of one micro-batch, read for the model's last layer only: torch's stage keeps its
             output until its backward is done, the last stage's beside the loss (the others' is the next layer's
             :attr:`inputs`).
@@ -84,6 +86,7 @@ class LayerBytes:
     gathered: float = 0.0
     cast_grads: float = 0.0
     workspace_again: float | None = None
+    workspace_input: float | None = None
     outputs: float = 0.0
 
     @property
@@ -97,6 +100,11 @@ class LayerBytes:
         if self.workspace_again is None:
             return self.backward + self.cast_grads
         return self.workspace_again + self.gathered
+
+    @property
+    def backward_input(self) -> float:
+        """The transient of a split backward's input part: :attr:`workspace_input` (or as :attr:`backward`)."""
+        return self.backward if self.workspace_input is None else self.workspace_input + self.gathered
 
     @property
     def static(self) -> float:
@@ -210,7 +218,7 @@ class MemoryModel:
         later_act = later_grads = later_casts = incoming = 0.0
         for x in reversed(own):
             fresh = max(fresh, x.backward + incoming + later_grads + x.grads - later_act)
-            split_input = max(split_input, x.backward + incoming - later_act)
+            split_input = max(split_input, x.backward_input + incoming - later_act)
             # the casts' gradients of the layers behind wait for the end of the pass (LayerBytes.cast_grads)
             again = max(again, x.backward_again + incoming - later_act + later_casts)
             later_act += x.activations

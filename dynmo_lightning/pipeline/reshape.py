@@ -1,0 +1,285 @@
+"""Changing a layer held in parts: stripped to its whole self, changed, and made parts again in place.
+
+A layer under FSDP2 / replicate or tensor parallelism is held as DTensors: this process's shards (or parts) of its
+weights and of their optimizer state. A change that needs the whole layer — structured pruning reads every unit's
+weights to score it, and gives weights new shapes that a unit or a parallel style cannot follow — runs on a plain,
+whole copy (:func:`whole_layer`: every part gathered over its mesh, the parallel parts' hooks left behind, as
+migration's pickling leaves them), and the changed copy is made this process's parts again by the same loop as at
+set-up (:func:`~dynmo_lightning.pipeline.split.apply_in_parts`: tensor parallel, compile, FSDP2 / replicate on the
+meta device, each part filled from the whole value). The optimizer state goes the same way: gathered whole with the
+layer, changed with it (``index_select_`` finds it in the optimizer stand-ins the change is given), and sharded again
+like its parameter. At no moment does a process hold more than its parts of its layers plus the one layer whole.
+
+Every process holding a part of the layer (its replicas, its tensor-parallel group) must reshape it together, in the
+same order: gathering is collective over the layer's meshes. A layer held whole (DDP without tensor parallelism) is
+changed where it is, with the real optimizers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+from dynmo_lightning.pipeline.layers import LayerSlots
+from dynmo_lightning.pipeline.migration import _optimizer_entries, _Packer, _unpack, pack_layers, unpack_layers
+from dynmo_lightning.pipeline.sharding import StageSharding, shard_like
+from dynmo_lightning.pipeline.split import apply_in_parts
+
+#: A change of a whole layer: ``(layer, optimizers)``, in place; the optimizers hold the layer's state (``.state``).
+Change = Callable[[nn.Module, Sequence[Any]], None]
+
+
+def held_in_parts(layer: nn.Module) -> bool:
+    """Whether some parameter of ``layer`` is a DTensor (a shard, a tensor-parallel part or a replicate copy)."""
+    return any(isinstance(p, DTensor) for p in layer.parameters())
+
+
+#: How a DTensor becomes whole: ``full_tensor`` over its mesh, or gathered from the shards of a world that ended.
+Gather = Callable[[DTensor], Tensor]
+
+
+def _full(t: DTensor) -> Tensor:
+    return t.full_tensor()
+
+
+class _WholePacker(_Packer):
+    """Migration's packer, with every DTensor made whole by ``gather`` (collective, in pickling order)."""
+
+    def __init__(self, file: io.BytesIO, device: torch.device, gather: Gather) -> None:
+        super().__init__(file, device)
+        self.gather = gather
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, DTensor):
+            return super().persistent_id(obj)
+        key = self._keys.get(id(obj))
+        if key is None:
+            with torch.no_grad():
+                whole = self.gather(obj)
+            key = self._keys[id(obj)] = len(self.tensors)
+            self.tensors.append(whole.detach())
+        return key, obj.requires_grad, isinstance(obj, nn.Parameter)
+
+
+@dataclasses.dataclass
+class OptimizerState:
+    """Stands in for an optimizer while a whole copy of a layer changes: its ``state``, keyed by the copy's params."""
+
+    state: dict[Tensor, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+
+def whole_layer(
+    layer: nn.Module, optimizers: Sequence[Optimizer], device: torch.device, gather: Gather = _full
+) -> tuple[nn.Module, list[OptimizerState], dict[str, tuple[int, int]]]:
+    """A plain copy of ``layer`` with whole tensors, its optimizer state whole (collective over the layer's meshes).
+
+    ``gather`` makes a DTensor whole (``full_tensor``; after a world change, :class:`Regather`).
+
+    Returns:
+        The copy (plain modules of the layer's classes, without FSDP2's or the parallel styles' hooks), one
+        :class:`OptimizerState` per optimizer holding the copy's parameters' state, and where each parameter sits
+        in the optimizers (``{name: (optimizer, group)}``).
+    """
+    entries = _optimizer_entries(layer, optimizers)
+    f = io.BytesIO()
+    packer = _WholePacker(f, device, gather)
+    packer.dump((layer, {name: state for name, (_, _, state) in entries.items()}))
+    (copy, states), _ = _unpack(f.getvalue(), packer.tensors)
+    params = dict(copy.named_parameters())
+    views = [OptimizerState() for _ in optimizers]
+    for name, (o, _, _) in entries.items():
+        if states[name]:
+            views[o].state[params[name]] = states[name]
+    return copy, views, {name: (o, g) for name, (o, g, _) in entries.items()}
+
+
+@contextlib.contextmanager
+def whole(layer: nn.Module, device: torch.device) -> Iterator[nn.Module]:
+    """Within: ``layer`` whole (a plain copy of a layer held in parts, collective; else the layer itself)."""
+    if not held_in_parts(layer):
+        yield layer
+        return
+    copy, _, _ = whole_layer(layer, (), device)
+    yield copy
+
+
+def reshape(
+    slots: LayerSlots,
+    index: int,
+    change: Change,
+    optimizers: Sequence[Optimizer],
+    device: torch.device,
+    parts: Callable[[int, nn.Module], None],
+    gather: Gather = _full,
+) -> None:
+    """Apply ``change`` to layer ``index`` of ``slots`` whole (see the module docstring); the caller rebuilds stages.
+
+    A layer held whole changes in place. A layer held in parts is gathered whole with its optimizer state and
+    installed in its slots as that copy (its parts are freed: nothing else may hold them), changed, and made parts
+    again in place by ``parts`` (``LocalStages``' tensor parallel, compile, FSDP2 / replicate); in every optimizer
+    group its parameters keep their places, now the new parameters, with their state sharded like them.
+    """
+    layer = slots.get(index)
+    if not held_in_parts(layer):
+        change(layer, optimizers)
+        return
+    copy, views, where = whole_layer(layer, optimizers, device, gather)
+    old = dict(layer.named_parameters())
+    places = {name: _place(optimizers, o, g, old[name]) for name, (o, g) in where.items()}
+    for name, (o, _) in where.items():
+        optimizers[o].state.pop(old[name], None)
+    slots.install(index, copy)
+    del layer, old
+    change(copy, views)
+    states = {name: views[where[name][0]].state.pop(p, {}) for name, p in copy.named_parameters() if name in where}
+    apply_in_parts(index, copy, device, parts)
+    for name, p in copy.named_parameters():
+        if name not in where:
+            continue
+        o, g = where[name]
+        optimizers[o].param_groups[g]["params"][places[name]] = p
+        state = {k: shard_like(v, p) if _like_param(v, p) else v for k, v in states[name].items()}
+        if state:
+            optimizers[o].state[p] = state
+
+
+def _place(optimizers: Sequence[Optimizer], o: int, g: int, param: Tensor) -> int:
+    return next(n for n, q in enumerate(optimizers[o].param_groups[g]["params"]) if q is param)
+
+
+def _like_param(value: Any, param: Tensor) -> bool:
+    """Whether an optimizer-state value is per element of ``param`` (Adam's moments; not a step count)."""
+    return isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == param.shape
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A new world: every layer held in parts made parts again on the new meshes
+# ---------------------------------------------------------------------------------------------------------------------
+def rehome(
+    slots: LayerSlots,
+    optimizers: Sequence[Optimizer],
+    device: torch.device,
+    sharding: StageSharding,
+    parts: Callable[[int, nn.Module], None],
+) -> None:
+    """After the world changed (a consolidation, a growth): this process's layers as parts on the new meshes.
+
+    Its DTensors still name the meshes of the world that ended. Where a process holds the same place in the new
+    meshes as in the old (every consolidation that releases processes: the replicas and tensor-parallel peers of a
+    kept stage stay together, in order), each layer is taken apart and made a unit again over the new groups around
+    the very same local parts (:func:`~dynmo_lightning.pipeline.migration.unpack_layers`: no copy, no
+    communication). Where the replica group grew (``on_release="data_parallel"`` under ``fsdp`` / ``replicate``:
+    released processes hold a copy of a kept replica's parts, at its place in a group of the old size), every layer
+    is gathered whole from the old parts over the new group (:class:`Regather`), one layer at a time, and made parts
+    of the new size (:func:`reshape`, the set-up's own loop).
+
+    Collective over every stage group of the new world (all processes call it, their layers in order).
+    """
+    indices = [i for i in slots.local_indices() if held_in_parts(slots.get(i))]
+    if not indices:
+        return
+    if _same_places(slots.get(indices[0]), sharding):
+        for i in indices:
+            _in_place(slots, i, optimizers, device, sharding)
+        return
+    gather = Regather(slots.get(indices[0]), sharding)
+    for i in indices:
+        reshape(slots, i, lambda layer, opts: None, optimizers, device, parts, gather)
+
+
+def _meshes(layer: nn.Module) -> dict[tuple[str, ...], Any]:
+    return {tuple(p.device_mesh.mesh_dim_names or ("dp",)): p.device_mesh for p in layer.parameters()
+            if isinstance(p, DTensor)}  # fmt: skip
+
+
+def _same_places(layer: nn.Module, sharding: StageSharding) -> bool:
+    """Whether this process holds the same coordinates in the new meshes as in the old ones, of the same shapes."""
+    for dims, old in _meshes(layer).items():
+        new = sharding.mesh_of(dims)
+        if tuple(old.shape) != tuple(new.shape) or _place_in(old) != _place_in(new):
+            return False
+    return True
+
+
+def _place_in(mesh: Any) -> tuple[int, ...]:
+    """This process's coordinates in ``mesh`` (known without its groups: those of a world that ended are gone)."""
+    return tuple(mesh.get_coordinate())
+
+
+def _in_place(
+    slots: LayerSlots, index: int, optimizers: Sequence[Optimizer], device: torch.device, sharding: StageSharding
+) -> None:
+    """Layer ``index`` a unit (split) again over the new meshes around its own local parts."""
+    layer = slots.get(index)
+    entries = _optimizer_entries(layer, optimizers)
+    old = dict(layer.named_parameters())
+    places = {name: (o, g, _place(optimizers, o, g, old[name])) for name, (o, g, _) in entries.items()}
+    blob, tensors = pack_layers({index: layer}, optimizers, device)
+    for name, (o, _, _) in places.items():
+        optimizers[o].state.pop(old[name], None)
+    del layer, old
+    module, moved = unpack_layers(blob, tensors, sharding)[index]
+    slots.install(index, module)
+    params = dict(module.named_parameters())
+    for name, (o, g, n) in places.items():
+        optimizers[o].param_groups[g]["params"][n] = params[name]
+        state = moved[name][2]
+        if state:
+            optimizers[o].state[params[name]] = state
+
+
+class Regather:
+    """Makes a DTensor of a world that ended whole from the parts the processes of a new replica group hold.
+
+    Every process of the new group holds the part of one place (its coordinate) in a replica group of the old
+    size (a kept replica's own, or the copy a released process received of it). For each old place, the first
+    process of the new group holding it broadcasts its part over the new group; the parts are joined along the
+    sharded dimension (``Shard``, torch's chunk layout), or taken as they are (``Replicate``).
+
+    Args:
+        layer: one of this process's layers (its meshes tell the old places).
+        sharding: the new world's sharding (its replica group).
+
+    Raises:
+        NotImplementedError: a layer split by tensor parallelism (its parts would have to be joined over two
+            dimensions); refused before launch (``balancer.on_release='data_parallel'`` with tensor parallelism).
+    """
+
+    def __init__(self, layer: nn.Module, sharding: StageSharding) -> None:
+        meshes = _meshes(layer)
+        if set(meshes) != {("dp",)}:
+            raise NotImplementedError(f"re-sharding a layer over a grown replica group on meshes {sorted(meshes)}")
+        old = meshes[("dp",)]
+        self.group = sharding.mesh().get_group()
+        self.old_size = old.size()
+        places = [None] * dist.get_world_size(self.group)
+        self.place = _place_in(old)[0]
+        dist.all_gather_object(places, self.place, group=self.group)
+        #: The new group's rank that sends each old place's part.
+        self.sender = [places.index(j) for j in range(self.old_size)]
+
+    def __call__(self, t: DTensor) -> Tensor:
+        """``t`` whole (collective over the new replica group)."""
+        (placement,) = t.placements
+        local = t.to_local()
+        if not isinstance(placement, Shard):
+            return local
+        dim = placement.dim
+        shapes = [c.shape for c in torch.empty(t.shape, device="meta").chunk(self.old_size, dim)]
+        shapes += [torch.Size([*t.shape[:dim], 0, *t.shape[dim + 1 :]])] * (self.old_size - len(shapes))
+        parts = []
+        for j, shape in enumerate(shapes):
+            mine = self.place == j and self.sender[j] == dist.get_rank(self.group)
+            part = local.contiguous() if mine else torch.empty(shape, dtype=local.dtype, device=local.device)
+            dist.broadcast(part, group=self.group, group_src=self.sender[j])
+            parts.append(part)
+        return torch.cat(parts, dim)
