@@ -145,7 +145,7 @@ class DynMoBalancer(Callback):
 
         Raises:
             ValueError: ``min_stages`` above the pipeline's processes, several stages per rank, or released
-                processes as replicas of layers split by tensor parallelism (in this order).
+                processes that wait or become replicas under tensor parallelism (in this order).
         """
         if not self.settings.repack:
             return
@@ -156,14 +156,12 @@ class DynMoBalancer(Callback):
             )
         if job.stages_per_rank != 1:
             raise ValueError("balancer.repack needs one stage per rank (strategy.stages_per_rank=1)")
-        if job.tensor_parallel_size > 1 and self.settings.on_release == "data_parallel":
-            # Released processes as replicas re-shard every layer over a larger replica group; a layer split over
-            # the tensor-parallel group too would have to be joined over both mesh dimensions first.
+        why = _NOT_UNDER_TENSOR_PARALLEL.get(self.settings.on_release)
+        if job.tensor_parallel_size > 1 and why is not None:
             raise ValueError(
-                f"balancer.on_release='data_parallel' with strategy.tensor_parallel_size={job.tensor_parallel_size} "
-                "is not supported: released processes becoming replicas re-shard every layer over the grown replica "
-                "group, which layers split by tensor parallelism cannot follow yet. Use balancer.on_release='exit' "
-                "or 'wait' (consolidation works), or strategy.tensor_parallel_size=1"
+                f"balancer.on_release={self.settings.on_release!r} with strategy.tensor_parallel_size="
+                f"{job.tensor_parallel_size} is not supported: {why}. Use balancer.on_release='exit' (consolidation "
+                "works), or strategy.tensor_parallel_size=1"
             )
 
     def _check_memory_capacity(self, job: JobShape) -> None:
@@ -425,6 +423,16 @@ def _rank_loads(stage_loads: list[float], strategy: PipelineControl) -> list[flo
         return stage_loads  # the split of another pipeline (before a resize): per stage
     owned = rank_stages(strategy.schedule, strategy.pp_size, strategy.stages_per_rank)
     return [sum(stage_loads[s] for s in stages) for stages in owned]
+
+
+#: Release modes a consolidation cannot follow under tensor parallelism, and why.
+_NOT_UNDER_TENSOR_PARALLEL = {
+    # a layer split over the tensor-parallel group would have to be joined over both mesh dimensions first
+    "data_parallel": "released processes becoming replicas re-shard every layer over the grown replica group, "
+    "which layers split by tensor parallelism cannot follow yet",
+    "wait": "growing back re-admits waiting processes as stages of their own, without a tensor-parallel group to "
+    "split them over",
+}
 
 
 def _on_top(job: JobShape) -> str:

@@ -79,3 +79,22 @@ def test_a_world_change_holds_a_process_parts_and_one_layer_whole(tmp_path):
         bound = rank["before"] - rank["grads"] + rank["received"] + rank["layer_bytes"]
         assert rank["peak"] <= 1.02 * bound, rank
         assert rank["after"] < rank["before"] + rank["received"], rank  # re-sharded: half of every layer kept
+
+
+@slow
+def test_fsdp_shrinks_and_grows_back_with_the_math(tmp_path):
+    """P = 4 ``fsdp`` -> 2 while the load fits on two, back to 4 when it rises (injected at step 12): the units are
+    made again over every new world's groups, and the re-admitted processes receive layers as their shards."""
+    model = ["model.n_layer=6", "strategy.n_microbatches=8"]  # 8 layers: four stages beat three once all cost
+    elastic = [*REPACK, "balancer.repack_tolerance=0.15", "balancer.on_release=wait", "strategy.data_parallel=fsdp"]
+    runs = launch(
+        4,
+        {tmp_path / "static": [*model, "trainer.max_steps=30"], tmp_path / "grow": [*model, *elastic,
+                                                                                   "trainer.max_steps=30"]},
+        inject_costs=True,
+        load_rises_at=12,
+    )  # fmt: skip
+    static, grown = runs[tmp_path / "static"], runs[tmp_path / "grow"]
+    assert [w["world_size"] for w in grown.summary["world_size"]] == [4, 2, 4], grown.summary["world_size"]
+    assert_close_losses(grown.summary["losses"], static.summary["losses"])
+    assert_close_model(grown.checkpoint["state_dict"], static.checkpoint["state_dict"])

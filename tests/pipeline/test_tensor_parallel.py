@@ -189,8 +189,9 @@ def test_what_cannot_be_split_is_refused_before_launch():
         DynMoStrategy(tensor_parallel_size=0)
     job = JobShape(4, 2, 1, None, "ddp", 2)
     DynMoBalancer(repack=True).pipeline_check_job(job)  # consolidation re-homes the parts (test_elastic_in_parts)
-    with pytest.raises(ValueError, match=r"on_release='data_parallel' with strategy.tensor_parallel_size=2 is not"):
-        DynMoBalancer(repack=True, on_release="data_parallel").pipeline_check_job(job)
+    for on_release in ("data_parallel", "wait"):
+        with pytest.raises(ValueError, match=rf"on_release='{on_release}' with strategy.tensor_parallel_size=2 is not"):
+            DynMoBalancer(repack=True, on_release=on_release).pipeline_check_job(job)
 
 
 def test_a_fused_attention_checkpoint_of_earlier_versions_loads_into_the_split_projections():
