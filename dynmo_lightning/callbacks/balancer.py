@@ -144,8 +144,9 @@ class DynMoBalancer(Callback):
             job: the job's size and layout.
 
         Raises:
-            ValueError: ``min_stages`` above the pipeline's processes, several stages per rank, or released
-                processes that wait or become replicas under tensor parallelism (in this order).
+            ValueError: ``min_stages`` above the pipeline's processes, several stages per rank, one stage left for
+                tied ends under FSDP2 / replicate units, or released processes that wait or become replicas under
+                tensor parallelism (in this order).
         """
         if not self.settings.repack:
             return
@@ -156,6 +157,13 @@ class DynMoBalancer(Callback):
             )
         if job.stages_per_rank != 1:
             raise ValueError("balancer.repack needs one stage per rank (strategy.stages_per_rank=1)")
+        if job.data_parallel != "ddp" and job.tied_ends and self.settings.min_stages < 2:
+            raise ValueError(
+                f"balancer.min_stages={self.settings.min_stages} with strategy.data_parallel={job.data_parallel!r}: "
+                "a consolidation onto one process would put the first and the last layer, which share a parameter "
+                "(tied embeddings), in one process, and FSDP2 manages a parameter in one unit only. Set "
+                "balancer.min_stages=2, or untie it (dynmo-train: model.tie_embeddings=false)"
+            )
         why = _NOT_UNDER_TENSOR_PARALLEL.get(self.settings.on_release)
         if job.tensor_parallel_size > 1 and why is not None:
             raise ValueError(

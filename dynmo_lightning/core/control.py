@@ -25,6 +25,8 @@ class JobShape:
         layer_param_bytes: bytes of every pipeline layer's parameters (``None``: unknown without building the model).
         data_parallel: how replicas share a stage's layers (``"ddp"``, ``"replicate"`` or ``"fsdp"``).
         tensor_parallel_size: processes every stage is split over.
+        tied_ends: the first and the last pipeline layer share a parameter (tied embeddings; ``False``: they do
+            not, or it is unknown without building the model).
     """
 
     world_size: int
@@ -33,6 +35,7 @@ class JobShape:
     layer_param_bytes: list[int] | None
     data_parallel: str = "ddp"
     tensor_parallel_size: int = 1
+    tied_ends: bool = False
 
     @property
     def n_stages(self) -> int:

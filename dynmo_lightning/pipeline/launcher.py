@@ -335,15 +335,18 @@ def check_units(layers: Sequence[nn.Module], data_parallel: str, schedule: str) 
                 f"({type(layer).__name__}): its parameter {scalar!r} is a scalar, which FSDP2 cannot shard. Make it "
                 "a 1-D tensor of one element, or use strategy.data_parallel='ddp'"
             )
-    if schedule in V_SCHEDULES and layers:
-        shared = {id(p) for p in layers[0].parameters()} & {id(p) for p in layers[-1].parameters()}
-        if shared:
-            raise ValueError(
-                f"strategy.data_parallel={data_parallel!r} with strategy.schedule={schedule!r}: the V puts the first "
-                "and the last stage on one process, and their layers share a parameter (tied embeddings), which "
-                "FSDP2 cannot manage in two units. Untie it (dynmo-train: model.tie_embeddings=false), use "
-                "strategy.data_parallel='ddp' with one replica, or a looped schedule ('interleaved_zb')"
-            )
+    if schedule in V_SCHEDULES and tied_ends(layers):
+        raise ValueError(
+            f"strategy.data_parallel={data_parallel!r} with strategy.schedule={schedule!r}: the V puts the first "
+            "and the last stage on one process, and their layers share a parameter (tied embeddings), which "
+            "FSDP2 cannot manage in two units. Untie it (dynmo-train: model.tie_embeddings=false), use "
+            "strategy.data_parallel='ddp' with one replica, or a looped schedule ('interleaved_zb')"
+        )
+
+
+def tied_ends(layers: Sequence[nn.Module]) -> bool:
+    """Whether the first and the last of ``layers`` share a parameter (tied embeddings)."""
+    return bool(layers) and bool({id(p) for p in layers[0].parameters()} & {id(p) for p in layers[-1].parameters()})
 
 
 def check_tensor_parallel(module: Any, layers: Sequence[nn.Module], size: int) -> None:
@@ -405,7 +408,7 @@ def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
     check_world(world_size, strategy.data_parallel_size, tp)
     check_backend(strategy.process_group_backend, strategy.parallel_devices or [])
     check_v_schedule(strategy.schedule, strategy.process_group_backend, strategy.parallel_devices or [])
-    pp_size, sizes = world_size // (strategy.data_parallel_size * tp), None
+    pp_size, sizes, layers = world_size // (strategy.data_parallel_size * tp), None, None
     data_parallel = strategy.settings.data_parallel
     if isinstance(module, pl.LightningModule):
         check_model(module)
@@ -425,7 +428,7 @@ def check_job(strategy: Any, trainer: pl.Trainer, *call_args: Any) -> None:
                 n_microbatches=strategy.n_microbatches,
             )
     check_batch_sizes(call_args[1:], strategy.n_microbatches)
-    job = JobShape(world_size, pp_size, strategy.stages_per_rank, sizes, data_parallel, tp)
+    job = JobShape(world_size, pp_size, strategy.stages_per_rank, sizes, data_parallel, tp, tied_ends(layers or []))
     for callback in trainer.callbacks:
         if isinstance(callback, PreLaunchCheck):
             callback.pipeline_check_job(job)

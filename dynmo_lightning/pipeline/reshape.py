@@ -43,6 +43,16 @@ def held_in_parts(layer: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in layer.parameters())
 
 
+def _resharded(layer: nn.Module) -> nn.Module:
+    """``layer`` with its FSDP2 units resharded.
+
+    A unit whose weights are gathered (between a forward and its reshard) registers plain tensors, which a change
+    must not take for the layer's own.
+    """
+    StageSharding.reshard([layer])
+    return layer
+
+
 #: How a DTensor becomes whole: ``full_tensor`` over its mesh, or gathered from the shards of a world that ended.
 Gather = Callable[[DTensor], Tensor]
 
@@ -79,7 +89,7 @@ class OptimizerState:
 
 def whole_layer(
     layer: nn.Module, optimizers: Sequence[Optimizer], device: torch.device, gather: Gather = _full
-) -> tuple[nn.Module, list[OptimizerState], dict[str, tuple[int, int]]]:
+) -> tuple[nn.Module, list[OptimizerState], dict[str, tuple[int, int, frozenset[str]]]]:
     """A plain copy of ``layer`` with whole tensors, its optimizer state whole (collective over the layer's meshes).
 
     ``gather`` makes a DTensor whole (``full_tensor``; after a world change, :class:`Regather`).
@@ -87,7 +97,8 @@ def whole_layer(
     Returns:
         The copy (plain modules of the layer's classes, without FSDP2's or the parallel styles' hooks), one
         :class:`OptimizerState` per optimizer holding the copy's parameters' state, and where each parameter sits
-        in the optimizers (``{name: (optimizer, group)}``).
+        in the optimizers with the keys of its state that were held in parts (``{name: (optimizer, group,
+        keys)}``): they are made parts again like the parameter, the rest (a step count) stays as it is.
     """
     entries = _optimizer_entries(layer, optimizers)
     f = io.BytesIO()
@@ -99,13 +110,15 @@ def whole_layer(
     for name, (o, _, _) in entries.items():
         if states[name]:
             views[o].state[params[name]] = states[name]
-    return copy, views, {name: (o, g) for name, (o, g, _) in entries.items()}
+    where = {name: (o, g, frozenset(k for k, v in state.items() if isinstance(v, DTensor)))
+             for name, (o, g, state) in entries.items()}  # fmt: skip
+    return copy, views, where
 
 
 @contextlib.contextmanager
 def whole(layer: nn.Module, device: torch.device) -> Iterator[nn.Module]:
     """Within: ``layer`` whole (a plain copy of a layer held in parts, collective; else the layer itself)."""
-    if not held_in_parts(layer):
+    if not held_in_parts(_resharded(layer)):
         yield layer
         return
     copy, _, _ = whole_layer(layer, (), device)
@@ -128,14 +141,14 @@ def reshape(
     again in place by ``parts`` (``LocalStages``' tensor parallel, compile, FSDP2 / replicate); in every optimizer
     group its parameters keep their places, now the new parameters, with their state sharded like them.
     """
-    layer = slots.get(index)
+    layer = _resharded(slots.get(index))
     if not held_in_parts(layer):
         change(layer, optimizers)
         return
     copy, views, where = whole_layer(layer, optimizers, device, gather)
     old = dict(layer.named_parameters())
-    places = {name: _place(optimizers, o, g, old[name]) for name, (o, g) in where.items()}
-    for name, (o, _) in where.items():
+    places = {name: _place(optimizers, o, g, old[name]) for name, (o, g, _) in where.items()}
+    for name, (o, _, _) in where.items():
         optimizers[o].state.pop(old[name], None)
     slots.install(index, copy)
     del layer, old
@@ -145,20 +158,15 @@ def reshape(
     for name, p in copy.named_parameters():
         if name not in where:
             continue
-        o, g = where[name]
+        o, g, in_parts = where[name]
         optimizers[o].param_groups[g]["params"][places[name]] = p
-        state = {k: shard_like(v, p) if _like_param(v, p) else v for k, v in states[name].items()}
+        state = {k: shard_like(v, p) if k in in_parts else v for k, v in states[name].items()}
         if state:
             optimizers[o].state[p] = state
 
 
 def _place(optimizers: Sequence[Optimizer], o: int, g: int, param: Tensor) -> int:
     return next(n for n, q in enumerate(optimizers[o].param_groups[g]["params"]) if q is param)
-
-
-def _like_param(value: Any, param: Tensor) -> bool:
-    """Whether an optimizer-state value is per element of ``param`` (Adam's moments; not a step count)."""
-    return isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == param.shape
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -187,11 +195,11 @@ def rehome(
     indices = [i for i in slots.local_indices() if held_in_parts(slots.get(i))]
     if not indices:
         return
-    if _same_places(slots.get(indices[0]), sharding):
+    if all(_same_places(slots.get(i), sharding) for i in indices):
         for i in indices:
             _in_place(slots, i, optimizers, device, sharding)
         return
-    gather = Regather(slots.get(indices[0]), sharding)
+    gather = Regather([slots.get(i) for i in indices], sharding)
     for i in indices:
         reshape(slots, i, lambda layer, opts: None, optimizers, device, parts, gather)
 
@@ -246,7 +254,7 @@ class Regather:
     sharded dimension (``Shard``, torch's chunk layout), or taken as they are (``Replicate``).
 
     Args:
-        layer: one of this process's layers (its meshes tell the old places).
+        layers: this process's layers held in parts (their meshes tell the old places).
         sharding: the new world's sharding (its replica group).
 
     Raises:
@@ -254,18 +262,21 @@ class Regather:
             dimensions); refused before launch (``balancer.on_release='data_parallel'`` with tensor parallelism).
     """
 
-    def __init__(self, layer: nn.Module, sharding: StageSharding) -> None:
-        meshes = _meshes(layer)
+    def __init__(self, layers: Sequence[nn.Module], sharding: StageSharding) -> None:
+        meshes = {dims: mesh for layer in layers for dims, mesh in _meshes(layer).items()}
         if set(meshes) != {("dp",)}:
             raise NotImplementedError(f"re-sharding a layer over a grown replica group on meshes {sorted(meshes)}")
         old = meshes[("dp",)]
         self.group = sharding.mesh().get_group()
         self.old_size = old.size()
-        places = [None] * dist.get_world_size(self.group)
         self.place = _place_in(old)[0]
-        dist.all_gather_object(places, self.place, group=self.group)
+        # every process's old place, through the group's own device (a tensor: NCCL moves no host objects)
+        device = sharding.device if dist.get_backend(self.group) != "gloo" else torch.device("cpu")
+        places = [torch.empty(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(places, torch.tensor([self.place], device=device), group=self.group)
+        held = [int(t.item()) for t in places]
         #: The new group's rank that sends each old place's part.
-        self.sender = [places.index(j) for j in range(self.old_size)]
+        self.sender = [held.index(j) for j in range(self.old_size)]
 
     def __call__(self, t: DTensor) -> Tensor:
         """``t`` whole (collective over the new replica group)."""

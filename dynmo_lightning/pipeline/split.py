@@ -197,12 +197,29 @@ def apply_in_parts(index: int, layer: nn.Module, device: torch.device, parts: Ca
     """
     # Aliases of the values: the layer's own tensors become meta ones below.
     values = {name: t.detach() for name, t in _tensors(layer)}
+    shared = _shared_parameters(layer)
     layer.to(device="meta")
+    _share_again(layer, shared)
     parts(index, layer)
     layer.to_empty(device=device)
+    _share_again(layer, shared)
     with torch.no_grad():
         for name, t in _tensors(layer):
             local_part(t).copy_(_part_of(values.pop(name), t))
+
+
+def _shared_parameters(layer: nn.Module) -> dict[str, str]:
+    """``{name: the first name of the same parameter}`` for every parameter ``layer`` reaches by a second name."""
+    first: dict[int, str] = {}
+    return {name: first[id(p)] for name, p in layer.named_parameters(remove_duplicate=False)
+            if first.setdefault(id(p), name) != name}  # fmt: skip
+
+
+def _share_again(layer: nn.Module, shared: dict[str, str]) -> None:
+    """Make every second name of :func:`_shared_parameters` the first's parameter again (``Module.to`` splits them)."""
+    for name, first in shared.items():
+        parent, _, leaf = name.rpartition(".")
+        layer.get_submodule(parent).register_parameter(leaf, layer.get_parameter(first))
 
 
 def _tensors(layer: nn.Module) -> list[tuple[str, Tensor]]:

@@ -163,6 +163,12 @@ def test_unknown_mode_and_combinations_that_cannot_work_are_refused():
     DynMoStrategy(data_parallel="fsdp")  # a mesh of one (D = 1) is allowed
     for on_release in ("exit", "data_parallel"):  # consolidation under fsdp: tests/pipeline/test_elastic_in_parts.py
         DynMoBalancer(repack=True, on_release=on_release).pipeline_check_job(JobShape(4, 4, 1, None, "fsdp"))
+    # ... but not onto one process when the first and last layers share a parameter (one unit per parameter)
+    tied = JobShape(4, 4, 1, None, "fsdp", tied_ends=True)
+    with pytest.raises(ValueError, match=r"balancer.min_stages=1 with strategy.data_parallel='fsdp': a consolidation"):
+        DynMoBalancer(repack=True).pipeline_check_job(tied)
+    DynMoBalancer(repack=True, min_stages=2).pipeline_check_job(tied)
+    DynMoBalancer(repack=True).pipeline_check_job(JobShape(4, 4, 1, None, "ddp", tied_ends=True))
     # the capacity check counts a shard per process under fsdp
     DynMoBalancer(memory_capacity=600.0).pipeline_check_job(JobShape(4, 2, 1, [1000, 1000], "fsdp"))
     with pytest.raises(ValueError, match="cannot hold the model"):
