@@ -13,8 +13,9 @@ dozen probes of ``~3 P`` rounds each, the sweep mode plans in three short phases
 3. *flood*, :func:`flood_rounds` rounds: the pieces travel the chain both ways, up to :data:`SLOTS` per card and
    direction, until every stage holds all of them. From them each stage derives the raw cuts ``r_k`` (the first
    layer with ``h >= k``; ``r_0 = 0``, ``r_P = L``) and the final cuts of :func:`final_cuts`. If huge layers left
-   a raw stage empty the final cuts differ from the raw ones; then the stages cut their own ranges at the final
-   cuts and flood those pieces once more. Per-stage sums (new, received, old) follow from the pieces: no stage
+   a raw stage empty the final cuts differ from the raw ones (and may go through a piece: layers of no cost share
+   the next layer's share); then the stages cut their own ranges at the final cuts and flood those pieces once
+   more. Per-stage sums (new, received, old) follow from the pieces: no stage
    ever sees a layer cost of another stage, only sums over runs of its layers.
 
 Guarantee. Let ``B*`` be the optimal bottleneck and ``c_max`` the largest layer cost. The sweep's bottleneck is
@@ -180,7 +181,7 @@ class SweepMode:
                 raw.append((h, index, [layer]))
         pieces = yield from self._flood([self._piece(start, run, h) for h, start, run in raw])
         cuts = final_cuts(raw_cuts(pieces, p, s.n_layers), s.n_layers)
-        if _stages_of(pieces, cuts) != [int(piece[3]) for piece in pieces]:
+        if _moved_off(pieces, cuts):
             # Huge layers moved a cut off its equal share: cut its own layers at the final cuts and flood again.
             bounds = sorted({s.first, s.end, *(c for c in cuts if s.first < c < s.end)})
             own = [self._piece(a, s.layers[a - s.first : b - s.first], bisect_right(cuts, a))
@@ -251,6 +252,17 @@ class SweepMode:
         new, received, old = per_stage(now), per_stage(now, moved), per_stage(was)
         sizes = sizes_of(cuts, n_layers)
         return [StageOutcome(sizes[s], tuple(new[s]), tuple(received[s]), tuple(old[s])) for s in range(n_stages)]
+
+
+def _moved_off(pieces: Sequence[Sequence[float]], cuts: Sequence[int]) -> bool:
+    """Whether the final ``cuts`` put a piece on another stage than its equal share, or cut through one.
+
+    A cut inside a piece (layers of no cost share a midpoint with the layer after them) moves its tail to the next
+    stage while its start stays: the piece's sums would be counted on one stage.
+    """
+    if _stages_of(pieces, cuts) != [int(piece[3]) for piece in pieces]:
+        return True
+    return any(piece[0] < cut < piece[1] for piece in pieces for cut in cuts)
 
 
 def _stages_of(pieces: Sequence[Sequence[float]], cuts: Sequence[int]) -> list[int]:
