@@ -47,7 +47,8 @@ class Net(PipelineModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _held(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def held(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor a process holds of ``module``: parameters, gradients, optimizer state, buffers."""
     params = list(module.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
@@ -70,7 +71,7 @@ class Measure(L.Callback):
         gc.collect()
         counter = PeakBytes()
         with counter:
-            counter.track(_held(pl_module, opt))
+            counter.track(held(pl_module, opt))
             before = counter.live
             strategy.repartition([1, 4, 1])
             gc.collect()
@@ -80,7 +81,7 @@ class Measure(L.Callback):
         params = [p for layer in arrived for p in layer.parameters()]
         state = [v for p in params for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
         result = {"before": before, "peak": counter.peak, "after": after, "arrived_layers": len(arrived),
-                  "arrived_bytes": _bytes([*params, *state]), "held_after": _bytes(_held(pl_module, opt)),
+                  "arrived_bytes": _bytes([*params, *state]), "held_after": _bytes(held(pl_module, opt)),
                   "pp_rank": strategy.pp_rank}  # fmt: skip
         with open(f"{self.out}.rank{strategy.global_rank}.json", "w") as f:
             json.dump(result, f)

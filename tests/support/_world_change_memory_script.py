@@ -16,37 +16,12 @@ import sys
 
 import lightning.pytorch as L
 import torch
-from torch import nn
+from _migration_memory_script import WIDTH, Net, held  # the same six layers and the same count of what is held
 from torch.utils.data import DataLoader, TensorDataset
 
-from dynmo_lightning import DynMoStrategy, PipelineModule
+from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.bench.allocations import PeakBytes, storage_bytes
 from dynmo_lightning.launch import fresh_world
-
-WIDTH = 256
-
-
-class Net(PipelineModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(6)])
-
-    def pipeline_layers(self):
-        return list(self.layers)
-
-    def pipeline_loss(self, out, y):
-        return nn.functional.mse_loss(out, y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def _held(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    params = list(module.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-    return [*params, *grads, *state, *module.buffers()]
 
 
 class Measure(L.Callback):
@@ -61,7 +36,7 @@ class Measure(L.Callback):
         gc.collect()
         counter = PeakBytes()
         with counter:
-            counter.track(_held(pl_module, opt))
+            counter.track(held(pl_module, opt))
             before = counter.live
             grads = storage_bytes([p.grad for p in pl_module.parameters() if p.grad is not None])
             stats = strategy.shrink([0, 1], [3, 3], on_release="data_parallel")
