@@ -146,27 +146,45 @@ def reshape(
         change(layer, optimizers)
         return
     copy, views, where = whole_layer(layer, optimizers, device, gather)
-    old = dict(layer.named_parameters())
-    places = {name: _place(optimizers, o, g, old[name]) for name, (o, g, _) in where.items()}
-    for name, (o, _, _) in where.items():
-        optimizers[o].state.pop(old[name], None)
+    places = _vacate(layer, {name: (o, g) for name, (o, g, _) in where.items()}, optimizers)
     slots.install(index, copy)
-    del layer, old
+    del layer
     change(copy, views)
     states = {name: views[where[name][0]].state.pop(p, {}) for name, p in copy.named_parameters() if name in where}
     apply_in_parts(index, copy, device, parts)
-    for name, p in copy.named_parameters():
-        if name not in where:
-            continue
-        o, g, in_parts = where[name]
-        optimizers[o].param_groups[g]["params"][places[name]] = p
-        state = {k: shard_like(v, p) if k in in_parts else v for k, v in states[name].items()}
-        if state:
-            optimizers[o].state[p] = state
+    params = dict(copy.named_parameters())
+    for name, state in states.items():  # what was held in parts, in parts again (not a step count)
+        states[name] = {k: shard_like(v, params[name]) if k in where[name][2] else v for k, v in state.items()}
+    _occupy(places, params, states, optimizers)
 
 
-def _place(optimizers: Sequence[Optimizer], o: int, g: int, param: Tensor) -> int:
-    return next(n for n, q in enumerate(optimizers[o].param_groups[g]["params"]) if q is param)
+def _vacate(
+    layer: nn.Module, where: dict[str, tuple[int, int]], optimizers: Sequence[Optimizer]
+) -> dict[str, tuple[int, int, int]]:
+    """Where each of ``layer``'s optimized parameters sits (optimizer, group, index); their state dropped.
+
+    The layer is about to be replaced: :func:`_occupy` puts its successor's parameters in the same places.
+    """
+    params = dict(layer.named_parameters())
+    places = {}
+    for name, (o, g) in where.items():
+        group = optimizers[o].param_groups[g]["params"]
+        places[name] = (o, g, next(n for n, q in enumerate(group) if q is params[name]))
+        optimizers[o].state.pop(params[name], None)
+    return places
+
+
+def _occupy(
+    places: dict[str, tuple[int, int, int]],
+    params: dict[str, Tensor],
+    states: dict[str, dict[str, Any]],
+    optimizers: Sequence[Optimizer],
+) -> None:
+    """Put the new ``params`` in the ``places`` :func:`_vacate` kept, with their ``states`` (if any)."""
+    for name, (o, g, n) in places.items():
+        optimizers[o].param_groups[g]["params"][n] = params[name]
+        if states.get(name):
+            optimizers[o].state[params[name]] = states[name]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -228,21 +246,14 @@ def _in_place(
 ) -> None:
     """Layer ``index`` a unit (split) again over the new meshes around its own local parts."""
     layer = slots.get(index)
-    entries = _optimizer_entries(layer, optimizers)
-    old = dict(layer.named_parameters())
-    places = {name: (o, g, _place(optimizers, o, g, old[name])) for name, (o, g, _) in entries.items()}
     blob, tensors = pack_layers({index: layer}, optimizers, device)
-    for name, (o, _, _) in places.items():
-        optimizers[o].state.pop(old[name], None)
-    del layer, old
+    places = _vacate(layer, {name: (o, g) for name, (o, g, _) in _optimizer_entries(layer, optimizers).items()},
+                     optimizers)  # fmt: skip
+    del layer
     module, moved = unpack_layers(blob, tensors, sharding)[index]
     slots.install(index, module)
-    params = dict(module.named_parameters())
-    for name, (o, g, n) in places.items():
-        optimizers[o].param_groups[g]["params"][n] = params[name]
-        state = moved[name][2]
-        if state:
-            optimizers[o].state[params[name]] = state
+    _occupy(places, dict(module.named_parameters()), {name: state for name, (_, _, state) in moved.items()},
+            optimizers)  # fmt: skip
 
 
 class Regather:
