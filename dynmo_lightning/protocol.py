@@ -16,6 +16,9 @@ and optionally
   stage and its logs are replayed on every process (``pipeline/evaluation.py``).
 - ``pipeline_unused_parameters()`` on any submodule: ``True`` if a step may leave some of its trainable parameters
   without a gradient (data-parallel replicas then let DDP look for them).
+- ``pipeline_whole_backward()`` on any submodule: ``True`` if a split backward (zero-bubble, V) must run its stage's
+  backward whole: a parameter trained from a detached input lies on no path from the stage's inputs, which torch's
+  input and weight passes follow (a Mixture-of-Depths predictor).
 - ``pipeline_init_layer(index, layer)``: (re-)initialise the parameters of layer ``index`` in place. Used when layers
   are created on the meta device (Lightning's ``configure_model``) and materialised on their own stage only. Without
   it, every submodule's ``reset_parameters()`` is called.
@@ -49,6 +52,7 @@ from dynmo_lightning.core.model import (
     ProtocolError,
     check_protocol,
     may_leave_parameters_unused,
+    needs_whole_backward,
     split_batch,
 )
 from dynmo_lightning.core.parts import held_parts, local_part
@@ -76,6 +80,7 @@ __all__ = [
     "local_part",
     "materialise_layer",
     "may_leave_parameters_unused",
+    "needs_whole_backward",
     "on_host",
     "pipeline_control",
     "probing",

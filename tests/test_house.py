@@ -355,3 +355,32 @@ def test_each_balance_part_imports_only_the_parts_below_it(part):
             if _within(target, "dynmo_lightning.balance"):
                 assert target != "dynmo_lightning.balance", f"{name} imports the balance package: import the room"
                 assert target.split(".")[2] in allowed, f"{name} imports {target}: {part} may import {allowed}"
+
+
+#: Names whose tests branch on how a job is parallel (issue 45: parallelism as parts, not flags).
+PARALLEL_FLAGS = {"data_parallel", "tensor_parallel", "tensor_parallel_size", "tp_size", "compile", "compile_options",
+                  "units", "sharded"}  # fmt: skip
+#: Branch sites on them today (37 before issue 45's composition work, 31 after: the refusals are one table,
+#: core/composition.py): may only go down.
+MAX_PARALLEL_BRANCHES = 31
+
+
+def _parallel_branches(source: str) -> int:
+    """``if``/``while``/conditional expressions whose test reads one of :data:`PARALLEL_FLAGS`."""
+    count = 0
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            read = {x.attr if isinstance(x, ast.Attribute) else x.id for x in ast.walk(node.test)
+                    if isinstance(x, (ast.Attribute, ast.Name))}  # fmt: skip
+            count += bool(read & PARALLEL_FLAGS)
+    return count
+
+
+def test_branches_on_the_parallel_mode_do_not_grow():
+    total = sum(_parallel_branches(p.read_text()) for p in PACKAGE.rglob("*.py"))
+    assert total <= MAX_PARALLEL_BRANCHES, f"{total} branch sites on the parallel mode (> {MAX_PARALLEL_BRANCHES})"
+
+
+def test_the_branch_count_sees_conditions_and_expressions():
+    source = "if s.data_parallel == 'fsdp':\n    x = 1 if tp_size > 1 else 2\nwhile not self.units:\n    pass\nif y: z"
+    assert _parallel_branches(source) == 3

@@ -53,7 +53,8 @@ def test_every_dotted_name_of_the_pages_resolves(dotted):
 
 PROTOCOL = """DeviceScalars JobShape PipelineControl PipelineModule PreLaunchCheck ProtocolError all_gather as_tuple
 call_layer check_protocol has_host_value host_value init_layer is_on_host is_probing layer_seed layers_changed
-local_layers local_part materialise_layer may_leave_parameters_unused on_host pipeline_control probing read_once
+local_layers local_part materialise_layer may_leave_parameters_unused needs_whole_backward on_host pipeline_control
+probing read_once
 run_layers runs_without_autograd set_host_value split_batch stage_forward stage_memo""".split()
 
 

@@ -28,6 +28,7 @@ from dynmo_lightning.balance import CostTracker
 from dynmo_lightning.balance.decision.policy import GROW, MIGRATE, REPACK, BalancePolicy, Decision, PipelineShape
 from dynmo_lightning.balance.decision.policy_settings import METHODS, BalanceSettings
 from dynmo_lightning.balance.split.placement import rank_stages
+from dynmo_lightning.core.composition import Composition, refuse
 from dynmo_lightning.core.control import JobShape, PipelineControl, pipeline_control
 from dynmo_lightning.pipeline.groups import ON_RELEASE
 from dynmo_lightning.pipeline.release import RELEASE_TO, ReleaseHandler, make_release_handler
@@ -144,9 +145,10 @@ class DynMoBalancer(Callback):
             job: the job's size and layout.
 
         Raises:
-            ValueError: ``min_stages`` above the pipeline's processes, several stages per rank, one stage left for
-                tied ends under FSDP2 / replicate units, or released processes that wait or become replicas under
-                tensor parallelism (in this order).
+            ValueError: ``min_stages`` above the pipeline's processes; then what cannot compose with a
+                consolidation (``core/composition.REFUSALS``): several stages per rank, one stage left for tied ends
+                under FSDP2 / replicate units, released processes becoming DDP replicas of split stages, or waiting
+                with replicas or tensor parallelism.
         """
         if not self.settings.repack:
             return
@@ -155,22 +157,10 @@ class DynMoBalancer(Callback):
                 f"balancer.min_stages={self.settings.min_stages} > the pipeline's {job.pp_size} processes: lower it "
                 "(or start more processes)"
             )
-        if job.stages_per_rank != 1:
-            raise ValueError("balancer.repack needs one stage per rank (strategy.stages_per_rank=1)")
-        if job.data_parallel != "ddp" and job.tied_ends and self.settings.min_stages < 2:
-            raise ValueError(
-                f"balancer.min_stages={self.settings.min_stages} with strategy.data_parallel={job.data_parallel!r}: "
-                "a consolidation onto one process would put the first and the last layer, which share a parameter "
-                "(tied embeddings), in one process, and FSDP2 manages a parameter in one unit only. Set "
-                "balancer.min_stages=2, or untie it (dynmo-train: model.tie_embeddings=false)"
-            )
-        why = _NOT_UNDER_TENSOR_PARALLEL.get(self.settings.on_release)
-        if job.tensor_parallel_size > 1 and why is not None:
-            raise ValueError(
-                f"balancer.on_release={self.settings.on_release!r} with strategy.tensor_parallel_size="
-                f"{job.tensor_parallel_size} is not supported: {why}. Use balancer.on_release='exit' (consolidation "
-                "works), or strategy.tensor_parallel_size=1"
-            )
+        s, t = self.settings, job.tensor_parallel_size
+        d = job.world_size // (job.pp_size * t)
+        refuse(Composition(job.data_parallel, d, t, stages_per_rank=job.stages_per_rank, repack=True,
+                           on_release=s.on_release, min_stages=s.min_stages, tied_ends=job.tied_ends))  # fmt: skip
 
     def _check_memory_capacity(self, job: JobShape) -> None:
         """Refuse a ``memory_capacity`` of the wrong length, or one that cannot hold the model's weights.
@@ -390,6 +380,7 @@ class DynMoBalancer(Callback):
         }
         if "diffusion_rounds" in record:
             metrics["balancer/diffusion_rounds"] = float(record["diffusion_rounds"])
+        if "diffusion_bytes" in record:  # between neighbours; several stages per rank diffuse in one process
             metrics["balancer/diffusion_bytes"] = float(record["diffusion_bytes"])
             metrics["balancer/diffusion_ms"] = 1e3 * record["diffusion_s"]
         if self.last_measured is not None:
@@ -431,16 +422,6 @@ def _rank_loads(stage_loads: list[float], strategy: PipelineControl) -> list[flo
         return stage_loads  # the split of another pipeline (before a resize): per stage
     owned = rank_stages(strategy.schedule, strategy.pp_size, strategy.stages_per_rank)
     return [sum(stage_loads[s] for s in stages) for stages in owned]
-
-
-#: Release modes a consolidation cannot follow under tensor parallelism, and why.
-_NOT_UNDER_TENSOR_PARALLEL = {
-    # a layer split over the tensor-parallel group would have to be joined over both mesh dimensions first
-    "data_parallel": "released processes becoming replicas re-shard every layer over the grown replica group, "
-    "which layers split by tensor parallelism cannot follow yet",
-    "wait": "growing back re-admits waiting processes as stages of their own, without a tensor-parallel group to "
-    "split them over",
-}
 
 
 def _on_top(job: JobShape) -> str:

@@ -8,6 +8,8 @@
 * ``control`` - the strategy contracts callbacks rely on: ``PipelineControl``, ``PreLaunchCheck``, ``JobShape``.
 * ``callback_tools`` - a callback's layers, telling the strategy they changed, agreeing with the other processes.
 * ``layer_calls`` - calling layers: tuple outputs as arguments, frozen prefixes without autograd.
+* ``composition`` - what composes with what: the one table of parallel modes, schedules and elastic settings a job
+  refuses, each a row of docs/errors.md.
 
 ``dynmo_lightning.protocol`` re-exports all of it for users.
 """

@@ -95,6 +95,16 @@ def may_leave_parameters_unused(module: nn.Module) -> bool:
     return any(callable(hook := getattr(m, "pipeline_unused_parameters", None)) and hook() for m in module.modules())
 
 
+def needs_whole_backward(module: nn.Module) -> bool:
+    """Whether a split backward (zero-bubble and V schedules) must run ``module``'s backward whole.
+
+    A submodule says so with ``pipeline_whole_backward() -> bool``: a parameter trained from a detached input (a
+    Mixture-of-Depths predictor) lies on no path from the stage's inputs, so torch's input pass finds no
+    intermediate for it and its weight pass computes no gradient for it.
+    """
+    return any(callable(hook := getattr(m, "pipeline_whole_backward", None)) and hook() for m in module.modules())
+
+
 class PipelineModule(L.LightningModule):
     """LightningModule base for pipeline-ready models: implement ``pipeline_layers`` and ``pipeline_loss``.
 

@@ -58,6 +58,13 @@ class ExitGate(nn.Module):
         """No exits until a schedule sets a threshold (also after materialisation from the meta device)."""
         set_host_value(self, "threshold", 2.0)
 
+    def pipeline_unused_parameters(self) -> bool:
+        """Always: a block may get none of a step's tokens (they exited before it), and its parameters no gradient.
+
+        DDP replicas then look for unused parameters, as one process needs no gradient for them either.
+        """
+        return True
+
     def forward(self, before: Tensor, after: Tensor, active: Tensor) -> Tensor:
         """The new active mask (float 1/0, ``(B, T)``) after a block turned ``before`` into ``after``."""
         if not self._open():
@@ -169,6 +176,17 @@ class DepthRouter(nn.Module):
     def reset_buffers(self) -> None:
         """Start from the configured capacity (also after materialisation from the meta device)."""
         set_host_value(self, "capacity", self.initial_capacity)
+
+    def pipeline_whole_backward(self) -> bool:
+        """Always: the predictor learns from the detached hidden states, which a split backward's passes miss."""
+        return True
+
+    def pipeline_unused_parameters(self) -> bool:
+        """Always: at capacity 1 every token goes through the block and the router gets no gradient.
+
+        DDP replicas then look for unused parameters (a schedule anneals the capacity while the replicas run).
+        """
+        return True
 
     @staticmethod
     def normalise(h: Tensor) -> Tensor:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dynmo_lightning.balance.split.placement import V_SCHEDULES
+from dynmo_lightning.core.composition import Composition, refuse
 from dynmo_lightning.core.control import JobShape, PreLaunchCheck
 from dynmo_lightning.core.model import PipelineModule, ProtocolError, check_protocol
 from dynmo_lightning.pipeline.evaluation import EVAL_HOOK
@@ -63,10 +64,9 @@ def check_arguments(
     _check_heartbeat_timeout(heartbeat_timeout)
     _check_data_parallel(data_parallel)
     _check_positive_int("tensor_parallel_size", tensor_parallel_size)
-    _check_tensor_parallel_replicas(tensor_parallel_size, data_parallel_size, data_parallel)
     checkpoint_policy(activation_checkpointing)
-    if schedule in SPLIT_BACKWARD:
-        check_split_backward(schedule, data_parallel_size, activation_checkpointing, data_parallel)
+    # what cannot compose (tensor parallelism or a split backward under DDP replicas): the one table
+    refuse(Composition(data_parallel, data_parallel_size, tensor_parallel_size, schedule, schedule in SPLIT_BACKWARD))
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -128,21 +128,6 @@ def _check_data_parallel(data_parallel: Any) -> None:
         )
 
 
-def _check_tensor_parallel_replicas(tensor_parallel_size: int, data_parallel_size: int, data_parallel: str) -> None:
-    """Refuse DDP replicas of a pipeline whose stages are split over processes (tensor parallelism).
-
-    Raises:
-        ValueError: ``tensor_parallel_size > 1`` with several replicas and ``data_parallel="ddp"``.
-    """
-    if tensor_parallel_size > 1 and data_parallel_size > 1 and data_parallel == "ddp":
-        # DDP's reducer averages plain tensors; split layers hold DTensors, which FSDP2's units reduce (2-D).
-        raise ValueError(
-            f"strategy.tensor_parallel_size={tensor_parallel_size} with data_parallel_size={data_parallel_size} "
-            "needs strategy.data_parallel='fsdp' (or 'replicate'): DDP cannot average the gradients of layers split "
-            "over processes (DTensors)."
-        )
-
-
 #: ``DynMoStrategy(fsdp_memory=...)``: gather and reduce once per step, per micro-batch, or as the balancer finds.
 FSDP_MEMORY = ("fast", "lean", "auto")
 
@@ -155,39 +140,8 @@ def check_fsdp_memory(fsdp_memory: Any, data_parallel: str, schedule: str) -> No
     """
     if fsdp_memory not in FSDP_MEMORY:
         raise ValueError(f"strategy.fsdp_memory={fsdp_memory!r} is not one of {list(FSDP_MEMORY)}")
-    if fsdp_memory != "fast" and data_parallel != "fsdp":
-        raise ValueError(
-            f"strategy.fsdp_memory={fsdp_memory!r} shards gradients per micro-batch, which only data_parallel='fsdp' "
-            f"does: set strategy.data_parallel='fsdp', or leave strategy.fsdp_memory='fast' (got "
-            f"data_parallel={data_parallel!r})"
-        )
-    if fsdp_memory != "fast" and schedule in SPLIT_BACKWARD:
-        # the input pass would free the gathered weights its own weight pass still needs
-        raise ValueError(
-            f"strategy.fsdp_memory={fsdp_memory!r} with strategy.schedule={schedule!r}: a split backward computes "
-            "the weights' gradients in a later pass, after the per-micro-batch reduction. Use a schedule without a "
-            "split backward ('1f1b', 'gpipe', 'interleaved_1f1b'), or strategy.fsdp_memory='fast'"
-        )
-
-
-def check_split_backward(
-    schedule: str, data_parallel_size: int, activation_checkpointing: Any, data_parallel: str = "ddp"
-) -> None:
-    """Refuse what a zero-bubble schedule (backward split into its input and weight parts) cannot run exactly.
-
-    Activation checkpointing runs (its layers recompute once for both passes: :mod:`dynmo_lightning.recompute`).
-
-    Raises:
-        ValueError: DDP replicas with such a schedule.
-    """
-    if data_parallel_size > 1 and data_parallel == "ddp":
-        # torch's weight pass assigns `.grad` itself, past the gradient hooks DDP's reducer averages in; the
-        # pipeline stage runs FSDP2's and replicate's reduction itself after the last weight pass.
-        raise ValueError(
-            f"strategy.schedule={schedule!r} splits every backward into an input and a weight pass, and the "
-            "weight pass bypasses DDP's gradient averaging. With replicas set strategy.data_parallel='fsdp' (or "
-            "'replicate'), or use schedule='interleaved_1f1b' (or '1f1b') with DDP."
-        )
+    split = schedule in SPLIT_BACKWARD
+    refuse(Composition(data_parallel, schedule=schedule, split_backward=split, fsdp_memory=fsdp_memory))
 
 
 def check_world(world_size: int, data_parallel_size: int, tensor_parallel_size: int = 1) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
 from dynmo_lightning.core.context import is_probing, stage_forward
 from dynmo_lightning.core.layer_calls import call_layer
@@ -81,8 +81,18 @@ class StageModule(nn.Module):
                     out = checkpointed_call(layer, out) if index in self.recompute else call_layer(layer, out)
         # p2p sends need dense, contiguous tensors; a layer may legally return a view.
         if isinstance(out, tuple):
-            return tuple(t.contiguous() for t in out)
-        return out.contiguous()
+            return tuple(self._sendable(t) for t in out)
+        return self._sendable(out)
+
+    def _sendable(self, t: Tensor) -> Tensor:
+        """``t`` contiguous; and, under a split backward, not a view.
+
+        torch's input pass detaches the stage's outputs in place, which a view refuses: an input passed through
+        unchanged (every token exited before the stage) is one under FSDP2, whose pre-forward returns the inputs as
+        views of themselves.
+        """
+        t = t.contiguous()
+        return t.clone() if self.split_backward and t._is_view() else t
 
 
 class LayerSlots:

@@ -142,34 +142,46 @@ class ReplicaLayout:
             The new layout (in the current global ranks) and the ``(src, dst)`` global-rank pairs whose layers must
             be copied to make the new replicas.
         """
-        if self.tp_size > 1:
-            # Every pipeline (a replica's tensor-parallel rank) keeps the same ranks: the stages' tensor-parallel
-            # groups stay together, each process at its place (the layers' parts stay valid in the new world).
-            assert on_release != "data_parallel", "refused under tensor parallelism before launch"
-            rows = [[ranks[r] for r in keep_ranks] for ranks in self.replicas]
-            return ReplicaLayout(rows, self.shards, self.parts, self.tp_size), []
-        replicas: list[list[int]] = []
+        # Under tensor parallelism a replica is T pipelines side by side (rows d T + t): each keeps its ranks at
+        # ``keep_ranks``, so a stage's tensor-parallel group stays together, every process at its place; the
+        # processes a replica frees at one pipeline rank are a whole tensor-parallel group again (the T rows free the
+        # same ranks), and a new replica takes them row by row, so process t of a new stage copies process t of
+        # the kept one (the same part of every layer).
+        t_size = self.tp_size
+        rows: list[list[int]] = []
         shards: list[tuple[int, int]] = []
         parts: list[tuple[int, int]] = []
         copies: list[tuple[int, int]] = []
         p = len(keep_ranks)
-        for d, ranks in enumerate(self.replicas):
-            kept = [ranks[r] for r in keep_ranks]
-            freed = [rank for r, rank in enumerate(ranks) if r not in keep_ranks]
+        for d in range(self.dp_size):
+            mine = self.replicas[d * t_size : (d + 1) * t_size]
+            kept = [[ranks[r] for r in keep_ranks] for ranks in mine]
+            freed = [[rank for r, rank in enumerate(ranks) if r not in keep_ranks] for ranks in mine]
             part, n_parts = self.parts[d]
-            k = 1
-            if on_release == "data_parallel":
-                k = 1 + len(freed) // p
-                while k > 1 and not _splits_into(batch_size, n_microbatches, n_parts * k):
-                    k -= 1  # as many replicas as split the batch evenly
+            k = (
+                _new_replicas(len(freed[0]), p, n_parts, batch_size, n_microbatches)
+                if on_release == "data_parallel"
+                else 1
+            )
             for j in range(k):
-                replica = kept if j == 0 else freed[(j - 1) * p : j * p]
-                replicas.append(replica)
+                replica = kept if j == 0 else [row[(j - 1) * p : j * p] for row in freed]
+                rows += replica
                 shards.append(self.shards[d])
                 parts.append((part * k + j, n_parts * k))
                 if j:
-                    copies += list(zip(kept, replica, strict=True))
-        return ReplicaLayout(replicas, shards, parts), copies
+                    copies += [pair for a, b in zip(kept, replica, strict=True) for pair in zip(a, b, strict=True)]
+        return ReplicaLayout(rows, shards, parts, t_size), copies
+
+
+def _new_replicas(freed: int, p: int, n_parts: int, batch_size: int | None, n_microbatches: int) -> int:
+    """How many replicas a kept pipeline of ``p`` ranks and ``freed`` released processes make (itself included).
+
+    As many as whole pipelines, and as split the replica's part of the batch evenly.
+    """
+    k = 1 + freed // p
+    while k > 1 and not _splits_into(batch_size, n_microbatches, n_parts * k):
+        k -= 1
+    return k
 
 
 def batch_error(batch_size: int, n_microbatches: int, n_parts: int = 1) -> ValueError | None:
@@ -337,7 +349,7 @@ class Mesh:
         if self.replica_group is None:
             raise ValueError("the mesh was made without replica groups for FSDP2 / replicate units")
         if self.tp_group is not None:
-            return self.device_mesh["dp"]
+            return self.stage_mesh["dp"]
         layout, pipe = self.layout, self.pipeline
         ranks = layout.stage_ranks(pipe.rank, layout.tp_rank(pipe.global_rank(pipe.rank)))
         return DeviceMesh.from_group(self.replica_group, self.device_type, mesh=ranks, mesh_dim_names=("dp",))
@@ -358,10 +370,27 @@ class Mesh:
 
     @property
     def tp_mesh(self) -> Any:
-        """The 1-D ``DeviceMesh`` of :attr:`tp_group` (``"tp"`` of :attr:`device_mesh`), where layers are split."""
+        """The 1-D ``DeviceMesh`` of :attr:`tp_group` (``"tp"`` of :attr:`stage_mesh`), where layers are split."""
         if self.tp_group is None:
             raise ValueError("the mesh was made without tensor parallelism")
-        return self.device_mesh["tp"]
+        return self.stage_mesh["tp"]
+
+    @functools.cached_property
+    def stage_mesh(self) -> Any:
+        """The ``("dp", "tp")`` ``DeviceMesh`` of this process's stage: its replicas by its tensor-parallel groups.
+
+        The mesh FSDP2 / replicate shard tensor-parallel parts over (both 1-D meshes must come from one). Not sliced
+        from :attr:`device_mesh`: torch (2.13) gives a mesh concatenated from slices around a ``"pp"`` dimension of
+        size 1 (one stage, after a consolidation) another dimension's group.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        assert self.tp_group is not None
+        layout, pipe = self.layout, self.pipeline
+        ranks = [layout.tp_ranks(pipe.rank, d) for d in range(layout.dp_size)]
+        return DeviceMesh.from_group(
+            [self.dp_dimension, self.tp_group], self.device_type, mesh=ranks, mesh_dim_names=("dp", "tp")
+        )
 
     @functools.cached_property
     def device_mesh(self) -> Any:

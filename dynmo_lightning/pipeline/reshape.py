@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dynmo_lightning.pipeline.layers import LayerSlots
@@ -203,9 +203,10 @@ def rehome(
     meshes as in the old (every consolidation that releases processes: the replicas and tensor-parallel peers of a
     kept stage stay together, in order), each layer is taken apart and made a unit again over the new groups around
     the very same local parts (:func:`~dynmo_lightning.pipeline.migration.unpack_layers`: no copy, no
-    communication). Where the replica group grew (``on_release="data_parallel"`` under ``fsdp`` / ``replicate``:
-    released processes hold a copy of a kept replica's parts, at its place in a group of the old size), every layer
-    is gathered whole from the old parts over the new group (:class:`Regather`), one layer at a time, and made parts
+    communication). Where the replica group grew (``on_release="data_parallel"`` under ``fsdp`` / ``replicate``,
+    with or without tensor parallelism: released processes hold a copy of a kept replica's parts, at its place in a
+    group of the old size), every layer is gathered whole from the old parts over the new replica group and, for
+    tensor-parallel parts, the stage's tensor-parallel group (:class:`Regather`), one layer at a time, and made parts
     of the new size (:func:`reshape`, the set-up's own loop).
 
     Collective over every stage group of the new world (all processes call it, their layers in order).
@@ -262,25 +263,34 @@ class Regather:
     Every process of the new group holds the part of one place (its coordinate) in a replica group of the old
     size (a kept replica's own, or the copy a released process received of it). For each old place, the first
     process of the new group holding it broadcasts its part over the new group; the parts are joined along the
-    sharded dimension (``Shard``, torch's chunk layout), or taken as they are (``Replicate``).
+    sharded dimension (``Shard``, torch's chunk layout), or taken as they are (``Replicate``). A layer split by tensor
+    parallelism as well (FSDP2 / replicate over its parts: 2-D DTensors on ``("dp", "tp")``) is joined over the
+    replicas first, which gives this process's tensor-parallel part (FSDP2 chunks that part, whatever the 2-D
+    placement calls it), then over the stage's tensor-parallel group, whose processes keep their order in the new
+    world.
 
     Args:
         layers: this process's layers held in parts (their meshes tell the old places).
-        sharding: the new world's sharding (its replica group).
+        sharding: the new world's sharding (its replica group, and its tensor-parallel group).
 
     Raises:
-        NotImplementedError: a layer split by tensor parallelism (its parts would have to be joined over two
-            dimensions); refused before launch (``balancer.on_release='data_parallel'`` with tensor parallelism).
+        NotImplementedError: a layer split by tensor parallelism only (DDP replicas; refused before launch).
     """
 
     def __init__(self, layers: Sequence[nn.Module], sharding: StageSharding) -> None:
         meshes = {dims: mesh for layer in layers for dims, mesh in _meshes(layer).items()}
-        if set(meshes) != {("dp",)}:
+        if not set(meshes) <= {("dp",), ("dp", "tp")}:
             raise NotImplementedError(f"re-sharding a layer over a grown replica group on meshes {sorted(meshes)}")
-        old = meshes[("dp",)]
+        old = next(iter(meshes.values()))
         self.group = sharding.mesh().get_group()
-        self.old_size = old.size()
+        self.old_size = old.size(0)
         self.place = _place_in(old)[0]
+        self.tp_group = None
+        if ("dp", "tp") in meshes:
+            assert sharding.tensor_parallel is not None
+            self.tp_group = sharding.tensor_parallel.mesh().get_group()
+            # the stage's tensor-parallel processes stay in order (``ReplicaLayout.regroup``)
+            assert _place_in(meshes[("dp", "tp")])[1] == dist.get_rank(self.tp_group)
         # every process's old place, through the group's own device (a tensor: NCCL moves no host objects)
         device = sharding.device if dist.get_backend(self.group) != "gloo" else torch.device("cpu")
         places = [torch.empty(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size(self.group))]
@@ -290,18 +300,51 @@ class Regather:
         self.sender = [held.index(j) for j in range(self.old_size)]
 
     def __call__(self, t: DTensor) -> Tensor:
-        """``t`` whole (collective over the new replica group)."""
-        (placement,) = t.placements
+        """``t`` whole (collective over the new replica group, and its tensor-parallel group for a 2-D ``t``)."""
+        dp, *tp = (_cut_dim(p) for p in t.placements)
+        shape = t.shape
+        if tp and tp[0] is not None:  # this process's tensor-parallel part, as the plan cut it (torch's chunks)
+            shape = _chunk_shapes(shape, tp[0], self.tp_size)[dist.get_rank(self.tp_group)]
         local = t.to_local()
-        if not isinstance(placement, Shard):
-            return local
-        dim = placement.dim
-        shapes = [c.shape for c in torch.empty(t.shape, device="meta").chunk(self.old_size, dim)]
-        shapes += [torch.Size([*t.shape[:dim], 0, *t.shape[dim + 1 :]])] * (self.old_size - len(shapes))
-        parts = []
-        for j, shape in enumerate(shapes):
-            mine = self.place == j and self.sender[j] == dist.get_rank(self.group)
-            part = local.contiguous() if mine else torch.empty(shape, dtype=local.dtype, device=local.device)
-            dist.broadcast(part, group=self.group, group_src=self.sender[j])
-            parts.append(part)
-        return torch.cat(parts, dim)
+        if dp is not None:
+            me = dist.get_rank(self.group)
+            mine = [self.sender[j] == me and self.place == j for j in range(self.old_size)]
+            local = _join(local, _chunk_shapes(shape, dp, self.old_size), dp, mine, self.group, self.sender)
+        if tp and tp[0] is not None:
+            n, me = self.tp_size, dist.get_rank(self.tp_group)
+            shapes = _chunk_shapes(t.shape, tp[0], n)
+            local = _join(local, shapes, tp[0], [j == me for j in range(n)], self.tp_group, list(range(n)))
+        return local
+
+    @property
+    def tp_size(self) -> int:
+        """Processes of the tensor-parallel group (1 without one)."""
+        return 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
+
+
+def _cut_dim(placement: Any) -> int | None:
+    """The dimension a placement cuts; ``None``: ``Replicate``.
+
+    ``Shard``, and the ``_StridedShard`` FSDP2 lays over a tensor-parallel cut of the same dimension: it cuts this
+    process's tensor-parallel part in torch's chunks too.
+    """
+    return None if placement.is_replicate() else placement.dim
+
+
+def _chunk_shapes(shape: Sequence[int], dim: int, n: int) -> list[torch.Size]:
+    """The shapes of ``n`` parts of ``shape`` cut along ``dim`` as ``torch.chunk`` cuts them (empty ones last)."""
+    shapes = [c.shape for c in torch.empty(shape, device="meta").chunk(n, dim)]
+    return shapes + [torch.Size([*shape[:dim], 0, *shape[dim + 1 :]])] * (n - len(shapes))
+
+
+def _join(local: Tensor, shapes: list[torch.Size], dim: int, mine: list[bool], group: Any, sender: list[int]) -> Tensor:
+    """The parts of ``shapes`` joined along ``dim``: part ``j`` broadcast by group rank ``sender[j]``.
+
+    ``local`` is the part this process sends (where ``mine[j]``); collective over ``group``.
+    """
+    parts = []
+    for j, shape in enumerate(shapes):
+        part = local.contiguous() if mine[j] else torch.empty(shape, dtype=local.dtype, device=local.device)
+        dist.broadcast(part, group=group, group_src=sender[j])
+        parts.append(part)
+    return torch.cat(parts, dim)

@@ -49,7 +49,7 @@ from torch.distributed.pipelining.schedules import (
 from dynmo_lightning.balance.split.placement import V_SCHEDULES, stage_ranks
 from dynmo_lightning.core.context import probing
 from dynmo_lightning.core.layer_calls import as_tuple
-from dynmo_lightning.core.model import may_leave_parameters_unused
+from dynmo_lightning.core.model import may_leave_parameters_unused, needs_whole_backward
 from dynmo_lightning.pipeline import transport
 from dynmo_lightning.pipeline.compiled import is_compiled
 from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
@@ -479,7 +479,8 @@ class _Stage(PipelineStage):
         self._replicas_host = replicas_host
         self._sharding = sharding
         self._done_whole: set[int] = set()
-        self._compiled = any(is_compiled(m) for m in self.submod.modules())
+        # A compiled layer's backward is one AOTAutograd graph; a module may need its backward whole (core/model.py)
+        self._whole = any(is_compiled(m) for m in self.submod.modules()) or needs_whole_backward(self.submod)
 
     def forward_one_chunk(
         self,
@@ -535,6 +536,11 @@ class _Stage(PipelineStage):
                 self.grad_send_info = self._create_grad_send_info(self.args_recv_info[0])
             grads = self.bwd_cache[bwd_chunk_id]
             self.bwd_cache[bwd_chunk_id] = zero_missing_grads(grads, self.grad_send_info, self.args_recv_info[0])
+        if self.has_backward and not self.is_first and bwd_chunk_id in self.bwd_cache:
+            # p2p sends need contiguous tensors; an input's gradient need not be one (MoE's scatter, a split backward)
+            self.bwd_cache[bwd_chunk_id] = tuple(
+                g.contiguous() if isinstance(g, Tensor) else g for g in self.bwd_cache[bwd_chunk_id]
+            )
         return super().get_bwd_send_ops(bwd_chunk_id)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
@@ -549,8 +555,8 @@ class _Stage(PipelineStage):
         """Backward of micro-batch ``bwd_chunk_id``: its input part only, unless the inputs carry no gradient."""
         if not full_backward and not self.is_first and bwd_chunk_id in self.fwd_cache:
             inputs = self.fwd_cache[bwd_chunk_id][1]
-            # no input gradient, or a compiled layer (its backward is one AOTAutograd graph): whole at once
-            if self._compiled or not any(isinstance(t, Tensor) and t.requires_grad for t in inputs):
+            # no input gradient, a compiled layer, or a module that needs its backward whole: whole at once
+            if self._whole or not any(isinstance(t, Tensor) and t.requires_grad for t in inputs):
                 full_backward = True
                 self._done_whole.add(bwd_chunk_id)
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)

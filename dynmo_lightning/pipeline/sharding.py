@@ -267,13 +267,18 @@ class StageSharding:
 
         A root's first forward gives every unit under it one shared context listing all of them: a unit that stays
         on this process would otherwise keep the ones that left, weights and all, until the next step's root takes
-        over. torch has no public reset: the next root finds its units again at its first forward.
+        over. torch has no public reset: the next root finds its units again at its first forward. Each parameter
+        group's positions in the old root's forward order go too: the next root's order starts empty, and a
+        position a backward had not consumed (a unit whose backward did not run in the last step, a split
+        backward) would make FSDP2's backward prefetch index past its end.
         """
         for unit in modules:
             if is_unit(unit):
                 state = _state(unit)
                 state._is_root = None
                 state._state_ctx = type(state._state_ctx)()  # FSDP2's context, or replicate's
+                for group in fsdp_param_groups(state):
+                    group._post_forward_indices.clear()
 
     @staticmethod
     def reshard(modules: Iterable[nn.Module]) -> None:

@@ -269,6 +269,19 @@ def test_regroup_under_tensor_parallelism_keeps_every_stage_group_together():
     assert new.tp_ranks(1, 0) == [2, 3] and new.renumbered().tp_ranks(1, 0) == [1, 3]
 
 
+def test_regroup_under_tensor_parallelism_makes_replicas_of_whole_stage_groups():
+    # D = 2 x P = 2 x T = 2 packed onto pipeline rank 0: each replica's freed stage group (its two tensor-parallel
+    # processes) becomes a new replica, process t copying process t of the kept stage
+    layout = ReplicaLayout.even(8, 2, 2)
+    assert layout.replicas == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    new, copies = layout.regroup([0], "data_parallel", 16, 4)
+    assert new.replicas == [[0], [1], [2], [3], [4], [5], [6], [7]] and new.tp_size == 2 and new.dp_size == 4
+    assert [new.tp_ranks(0, d) for d in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert new.shards == [(0, 2), (0, 2), (1, 2), (1, 2)] and new.parts == [(0, 2), (1, 2)] * 2
+    assert copies == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert new.stage_ranks(0, 1) == [1, 3, 5, 7]  # the grown replica group of tensor-parallel rank 1
+
+
 def test_regroup_only_splits_batches_into_whole_micro_batches():
     # 12 samples in 4 micro-batches: halves of 6 do not split into 4, so the released ranks exit instead
     with pytest.warns(UserWarning, match=r"does not split into 2 parts of whole micro-batches"):

@@ -189,9 +189,16 @@ def test_what_cannot_be_split_is_refused_before_launch():
         DynMoStrategy(tensor_parallel_size=0)
     job = JobShape(4, 2, 1, None, "ddp", 2)
     DynMoBalancer(repack=True).pipeline_check_job(job)  # consolidation re-homes the parts (test_elastic_in_parts)
-    for on_release in ("data_parallel", "wait"):
-        with pytest.raises(ValueError, match=rf"on_release='{on_release}' with strategy.tensor_parallel_size=2 is not"):
-            DynMoBalancer(repack=True, on_release=on_release).pipeline_check_job(job)
+    # released processes as replicas: DDP cannot average the parts, replicate and FSDP2 can (test_composition)
+    with pytest.raises(ValueError, match=r"on_release='data_parallel' with strategy.tensor_parallel_size=2 under "):
+        DynMoBalancer(repack=True, on_release="data_parallel").pipeline_check_job(job)
+    for mode in ("fsdp", "replicate"):
+        DynMoBalancer(repack=True, on_release="data_parallel").pipeline_check_job(JobShape(4, 2, 1, None, mode, 2))
+    # growing back re-forms one pipeline, a process per stage: not around tensor-parallel groups or replicas
+    for job in (JobShape(4, 2, 1, None, "ddp", 2), JobShape(4, 2, 1, None, "fsdp", 1)):
+        with pytest.raises(ValueError, match=r"on_release='wait' with strategy.data_parallel_size=\d x tensor_pa"):
+            DynMoBalancer(repack=True, on_release="wait").pipeline_check_job(job)
+    DynMoBalancer(repack=True, on_release="wait").pipeline_check_job(JobShape(4, 4, 1, None, "ddp", 1))
 
 
 def test_a_fused_attention_checkpoint_of_earlier_versions_loads_into_the_split_projections():

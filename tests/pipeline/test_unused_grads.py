@@ -90,3 +90,26 @@ def test_experts_one_replica_did_not_use_reduce_in_the_reduction_dtype(tmp_path)
             # bf16 compute: ~5e-3 here; an expert averaged without the other replica's zero would be off by ~1
             assert max(result["errors"].values()) < 2e-2, (name, result["errors"])
         assert list(results) == ["fsdp.unused", "fsdp.late", "replicate.unused", "replicate.late"]
+
+
+def test_blocks_tokens_may_skip_tell_ddp_to_look_for_unused_parameters():
+    """Early exit: a block may get none of a step's tokens (they exited before it); DDP replicas of a stage holding
+    it must look for unused parameters, or the next step fails with "Expected to have finished reduction" (found
+    by the composition matrix: early exit and Mixture of Depths under ddp D = 2)."""
+    from dynmo_lightning.core.model import may_leave_parameters_unused
+    from dynmo_lightning.models.blocks import Block
+
+    assert may_leave_parameters_unused(Block(32, 4, 128, 0.0, True, early_exit=True))
+    # Mixture of Depths: at capacity 1 (before its schedule starts) the router gets no gradient
+    assert may_leave_parameters_unused(Block(32, 4, 128, 0.0, True, mod_capacity=1.0))
+    assert not may_leave_parameters_unused(Block(32, 4, 128, 0.0, True))
+
+
+def test_a_mixture_of_depths_block_runs_its_backward_whole_under_a_split_backward():
+    """Its predictor learns from detached hidden states: torch's input and weight passes give it no gradient (found
+    by the composition matrix: Mixture of Depths under ZBV trained the predictor not at all)."""
+    from dynmo_lightning.core.model import needs_whole_backward
+    from dynmo_lightning.models.blocks import Block
+
+    assert needs_whole_backward(Block(32, 4, 128, 0.0, True, mod_capacity=0.5))
+    assert not needs_whole_backward(Block(32, 4, 128, 0.0, True, early_exit=True))

@@ -34,7 +34,9 @@ SCHEDULES = ["zbv", "interleaved_zb", "dualpipev"]
 EXIT = ["dynamics=early_exit", "dynamics.warmup_steps=3", "dynamics.ramp_steps=3", "dynamics.threshold=0.6"]
 #: Dynamics that change which tensors carry gradients: a frozen prefix (a stage's inputs then carry none, and
 #: torch's input pass alone would leave its trainable layers without weight gradients) and early exit.
-DYNAMICS = {"freeze": FREEZE, "exit": EXIT}
+MOD = ["dynamics=mod", "dynamics.start_step=2", "dynamics.anneal_steps=6"]
+#: ... and Mixture of Depths, whose predictor learns from detached hidden states (a stage's backward runs whole).
+DYNAMICS = {"freeze": FREEZE, "exit": EXIT, "mod": MOD}
 
 
 def _schedule(name: str) -> list[str]:
