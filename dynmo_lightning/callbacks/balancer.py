@@ -157,10 +157,10 @@ class DynMoBalancer(Callback):
                 f"balancer.min_stages={self.settings.min_stages} > the pipeline's {job.pp_size} processes: lower it "
                 "(or start more processes)"
             )
-        s, t = self.settings, job.tensor_parallel_size
-        d = job.world_size // (job.pp_size * t)
-        refuse(Composition(job.data_parallel, d, t, stages_per_rank=job.stages_per_rank, repack=True,
-                           on_release=s.on_release, min_stages=s.min_stages, tied_ends=job.tied_ends))  # fmt: skip
+        s = self.settings
+        refuse(Composition(job.data_parallel, job.data_parallel_size, job.tensor_parallel_size,
+                           stages_per_rank=job.stages_per_rank, repack=True, on_release=s.on_release,
+                           min_stages=s.min_stages, tied_ends=job.tied_ends))  # fmt: skip
 
     def _check_memory_capacity(self, job: JobShape) -> None:
         """Refuse a ``memory_capacity`` of the wrong length, or one that cannot hold the model's weights.

@@ -43,12 +43,17 @@ class JobShape:
         return self.pp_size * self.stages_per_rank
 
     @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the pipeline (``D``)."""
+        return self.world_size // (self.pp_size * self.tensor_parallel_size)
+
+    @property
     def held_fraction(self) -> float:
         """The part of each of its layers a process holds: ``1 / replicas`` under ``"fsdp"``, else all of it.
 
         Tensor parallelism is not counted: which layers a plan splits is known only once they are built.
         """
-        return self.pp_size * self.tensor_parallel_size / self.world_size if self.data_parallel == "fsdp" else 1.0
+        return 1.0 / self.data_parallel_size if self.data_parallel == "fsdp" else 1.0
 
 
 @runtime_checkable
