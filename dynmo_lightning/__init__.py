@@ -7,8 +7,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from dynmo_lightning.callbacks import BalancerSettings, DynMoBalancer
 from dynmo_lightning.core.model import PipelineModule
-from dynmo_lightning.pipeline.strategy_settings import StrategySettings
 from dynmo_lightning.strategy import DynMoStrategy
+from dynmo_lightning.strategy.arguments import StrategySettings
 
 if DynMoStrategy.strategy_name not in StrategyRegistry:
     DynMoStrategy.register_strategies(StrategyRegistry)

@@ -28,8 +28,8 @@ from omegaconf import DictConfig, OmegaConf, read_write
 import dynmo_lightning  # noqa: F401  (registers strategy="dynmo")
 from dynmo_lightning.callbacks import CostTrace, RunSummary
 from dynmo_lightning.launch import fresh_world
-from dynmo_lightning.pipeline import sharded
-from dynmo_lightning.pipeline.safe_load import CheckpointRefused
+from dynmo_lightning.pipeline.checkpoint import sharded
+from dynmo_lightning.pipeline.checkpoint.safe_load import CheckpointRefused
 
 #: Accelerators that mean a GPU (``trainer.accelerator``).
 _GPU = ("gpu", "cuda")

@@ -2,8 +2,8 @@
 
 Used by ``dynmo-bench`` (and the tests) to run many configurations in one set of processes: importing Lightning
 costs seconds per process, so a launch runs a list of cases back to back, each in a fresh world
-(:func:`fresh_world`, from :mod:`dynmo_lightning.pipeline.worlds`, which the runtime uses too: the import runs
-downwards).
+(:func:`fresh_world`, from :mod:`dynmo_lightning.pipeline.elastic.lifetimes`, which the runtime uses too: the import
+runs downwards).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dynmo_lightning.pipeline.groups import open_store
-from dynmo_lightning.pipeline.worlds import _STORE_TIMEOUT, DIST_ENV, FIT_ENV, end_world_at_exit, fresh_world
+from dynmo_lightning.pipeline.elastic.lifetimes import _STORE_TIMEOUT, DIST_ENV, FIT_ENV, end_world_at_exit, fresh_world
+from dynmo_lightning.pipeline.elastic.survivors import open_store
 
 __all__ = ["DIST_ENV", "FIT_ENV", "LocalJob", "backend_device", "clean_env", "end_world_at_exit", "fresh_world",
            "run_ranks", "start_ranks"]  # fmt: skip

@@ -13,7 +13,7 @@ and optionally
 - ``pipeline_eval_step(output, target, stage)``: compute and ``self.log`` evaluation metrics of a batch from the last
   layer's output (``stage``: ``"val"`` or ``"test"``). Under the strategy the module's ``validation_step`` and
   ``test_step`` are not called (it runs the pipeline and logs ``{stage}_loss`` itself); this hook runs on the last
-  stage and its logs are replayed on every process (``pipeline/evaluation.py``).
+  stage and its logs are replayed on every process (``pipeline/stage/evaluation.py``).
 - ``pipeline_unused_parameters()`` on any submodule: ``True`` if a step may leave some of its trainable parameters
   without a gradient (data-parallel replicas then let DDP look for them).
 - ``pipeline_whole_backward()`` on any submodule: ``True`` if a split backward (zero-bubble, V) must run its stage's
@@ -27,15 +27,17 @@ and optionally
   ``ColwiseParallel`` / ``RowwiseParallel``, taking and returning whole hidden states. Called under
   ``DynMoStrategy(tensor_parallel_size=T)`` for every layer where it is built and again, on the meta device, for a
   layer that arrives by migration; without it the built-in plans split the reference GPT's and the Hugging Face
-  layers (``pipeline/tensor_parallel.py``), and a layer left as it is runs whole on every process of its stage.
+  layers (``pipeline/parallel/tensor_parallel.py``), and a layer left as it is runs whole on every process of its stage.
 
 :class:`PipelineModule` is a LightningModule base class that turns the protocol into single-process ``forward``,
 ``training_step``, ``validation_step`` and ``test_step``, so one model class trains both with and without
 ``DynMoStrategy`` (under the strategy, the strategy runs the steps through the pipeline and logs the same names).
 
-The second contract here is :class:`PipelineControl`: what callbacks (the balancer, the dynamics, the run summary)
-may ask a pipeline strategy and tell it. ``DynMoStrategy`` implements it; callbacks find it with
-:func:`pipeline_control` and never import the strategy.
+The second contract here is :class:`PipelineControl`: what callbacks may ask a pipeline strategy and tell it, in
+roles: :class:`RunFacts` (the summaries), :class:`LayerEvents` (the dynamics), :class:`Rebalancing` (the balancer)
+and :class:`LayerEditing` (structured pruning). ``DynMoStrategy`` gives them as ``strategy.pipeline_control``;
+callbacks ask for theirs with :func:`pipeline_control` (``pipeline_control(trainer, LayerEvents)``) and never import
+the strategy.
 
 The names live in :mod:`dynmo_lightning.core`, one idea per module (the lowest layer of the package: every other
 room imports it, it imports none of them); this module gathers them for users, and imports only ``core``.
@@ -43,7 +45,17 @@ room imports it, it imports none of them); this module gathers them for users, a
 
 from dynmo_lightning.core.callback_tools import all_gather, layers_changed, local_layers
 from dynmo_lightning.core.context import is_on_host, is_probing, on_host, probing, stage_forward, stage_memo
-from dynmo_lightning.core.control import JobShape, PipelineControl, PreLaunchCheck, pipeline_control
+from dynmo_lightning.core.control import (
+    JobShape,
+    LayerEditing,
+    LayerEvents,
+    PipelineControl,
+    PreLaunchCheck,
+    Rebalancing,
+    RunFacts,
+    layer_editing,
+    pipeline_control,
+)
 from dynmo_lightning.core.host_values import DeviceScalars, has_host_value, host_value, read_once, set_host_value
 from dynmo_lightning.core.layer_calls import as_tuple, call_layer, run_layers, runs_without_autograd
 from dynmo_lightning.core.layer_init import init_layer, layer_seed, materialise_layer
@@ -60,10 +72,14 @@ from dynmo_lightning.core.parts import held_parts, local_part
 __all__ = [
     "DeviceScalars",
     "JobShape",
+    "LayerEditing",
+    "LayerEvents",
     "PipelineControl",
     "PipelineModule",
     "PreLaunchCheck",
     "ProtocolError",
+    "Rebalancing",
+    "RunFacts",
     "all_gather",
     "as_tuple",
     "call_layer",
@@ -74,6 +90,7 @@ __all__ = [
     "init_layer",
     "is_on_host",
     "is_probing",
+    "layer_editing",
     "layer_seed",
     "layers_changed",
     "local_layers",

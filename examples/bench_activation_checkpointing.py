@@ -84,7 +84,7 @@ class Measure(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int):
         if trainer.global_step == self.profile_step:
-            trainer.strategy.request_profile()
+            trainer.strategy.pipeline_control.request_profile()
         if trainer.global_step == self.peak_step:
             self._mode = PeakTensorBytes()
             self._mode.__enter__()
@@ -95,7 +95,7 @@ class Measure(L.Callback):
             self.peak, self._mode = self._mode.peak, None
         self.losses.append(float(outputs["loss"]))
         if trainer.global_step - 1 == self.profile_step:
-            self.costs = trainer.strategy.profile_results()
+            self.costs = trainer.strategy.pipeline_control.profile_results()
 
 
 def worker(case: str, args: argparse.Namespace, work: Path) -> None:
@@ -123,10 +123,12 @@ def worker(case: str, args: argparse.Namespace, work: Path) -> None:
     data = StdlibCharDataModule(block_size=args.seq, batch_size=args.batch, max_bytes=2_000_000)
     trainer.fit(model, datamodule=data)
     rank = trainer.global_rank
-    start = sum(strategy.layers_per_stage[:rank])
-    layers = range(start, start + strategy.layers_per_stage[rank])
+    start = sum(strategy.pipeline_control.layers_per_stage[:rank])
+    layers = range(start, start + strategy.pipeline_control.layers_per_stage[rank])
     costs = [measure.costs[i] for i in layers]
-    inflight = min(args.microbatches, strategy.pp_size - rank)  # 1F1B: stage s holds P - s micro-batches at most
+    inflight = min(
+        args.microbatches, strategy.pipeline_control.pp_size - rank
+    )  # 1F1B: stage s holds P - s micro-batches at most
     report = {
         "stage": rank,
         "layers": list(layers),

@@ -31,10 +31,10 @@ class AlwaysProfile(L.Callback):
     """Profiles every step (to measure the profiler's own cost)."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        trainer.strategy.request_profile()
+        trainer.strategy.pipeline_control.request_profile()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        trainer.strategy.profile_results()
+        trainer.strategy.pipeline_control.profile_results()
 
 
 def run(args, callbacks: list[L.Callback]) -> AbstractContextManager[tuple[L.Trainer, float]]:
@@ -46,11 +46,11 @@ def run(args, callbacks: list[L.Callback]) -> AbstractContextManager[tuple[L.Tra
 def migration_speed(trainer: L.Trainer, repeats: int) -> dict[str, float]:
     """MB/s of moving layers back and forth vs a plain send/recv of the same number of bytes."""
     strategy = trainer.strategy
-    base = strategy.layers_per_stage
+    base = strategy.pipeline_control.layers_per_stage
     other = [base[0] + 2, base[1] - 2] if base[1] > 2 else [base[0] - 2, base[1] + 2]
     moved, seconds = 0, 0.0
     for i in range(repeats):
-        stats = strategy.repartition(other if i % 2 == 0 else base)
+        stats = strategy.pipeline_control.repartition(other if i % 2 == 0 else base)
         moved += stats.bytes_sent + stats.bytes_received
         seconds += stats.seconds
     total = torch.tensor([moved], dtype=torch.float64)
@@ -111,7 +111,7 @@ def main() -> None:
         balancer = DynMoBalancer(every_n_steps=10, warmup_steps=3, min_gain=0.02)
         with run(args, [balancer]) as (trainer, tps):
             results["balanced"].append(tps)
-            partitions = trainer.strategy.partitions
+            partitions = trainer.strategy.pipeline_control.partitions
             if repeat == args.repeats - 1:  # moves layers, in the balanced run's world
                 migration = migration_speed(trainer, repeats=6)
         with run(args, [AlwaysProfile()]) as (_, tps):

@@ -97,8 +97,8 @@ def main() -> None:
         summary = {
             "world_size": len(gathered),
             "model": {"n_layer": args.layers, "n_embd": args.hidden},
-            "total_params": sum(strategy.layer_param_counts),
-            "layers_per_stage": strategy.layers_per_stage,
+            "total_params": sum(strategy.pipeline_control.layer_param_counts),
+            "layers_per_stage": strategy.pipeline_control.layers_per_stage,
             "ranks": [
                 {
                     "rank": g["rank"],

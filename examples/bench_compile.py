@@ -23,7 +23,7 @@ import lightning.pytorch as L
 from _bench import fit, gpt_arguments, gpt_config
 
 from dynmo_lightning.bench.real import interval95
-from dynmo_lightning.pipeline.compiled import graphs
+from dynmo_lightning.pipeline.parallel.compiled import graphs
 
 
 class FirstStep(L.Callback):

@@ -60,7 +60,7 @@ class StepMemory(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         strategy, step = trainer.strategy, trainer.global_step
         if step == self.profile_step:
-            strategy.request_profile()
+            strategy.pipeline_control.request_profile()
         if step == self.measure_step:
             if strategy.data_parallel != "ddp":  # the step sets them to None first: not held during it
                 for p in pl_module.parameters():
@@ -82,12 +82,13 @@ class StepMemory(L.Callback):
         self.losses.append(float(out["loss"] if isinstance(out, dict) else out))
         strategy, step = trainer.strategy, trainer.global_step - 1  # the step that just ran
         if step == self.profile_step:
-            costs = strategy.profile_results()  # collective
-            tracker = CostTracker(strategy.n_layers)
+            control = strategy.pipeline_control
+            costs = control.profile_results()  # collective
+            tracker = CostTracker(control.n_layers)
             tracker.update(costs)
-            model = MemoryModel(tracker.layer_memory(), strategy.schedule, strategy.pp_size, strategy.n_microbatches,
-                                strategy.stages_per_rank)  # fmt: skip
-            self.result["predicted"] = model.peaks(strategy.layers_per_stage)[strategy.pp_rank]
+            model = MemoryModel(tracker.layer_memory(), control.schedule, control.pp_size, control.n_microbatches,
+                                control.stages_per_rank)  # fmt: skip
+            self.result["predicted"] = model.peaks(control.layers_per_stage)[control.pp_rank]
         if step == self.measure_step and len(self._peaks) == 2:
             schedule, optimizer = self._peaks
             optimizer.__exit__(None, None, None)
@@ -127,7 +128,7 @@ def main() -> None:
             with fit(model, data, [probe], steps=args.steps, measure_from=args.measure_from,
                      data_parallel_size=2, heartbeat_timeout=120, **MODES[mode]) as (trainer, rate):  # fmt: skip
                 every: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(every, {**probe.result, "pp_rank": trainer.strategy.pp_rank})
+                dist.all_gather_object(every, {**probe.result, "pp_rank": trainer.strategy.pipeline_control.pp_rank})
             rates[mode].append(rate)
             memory.setdefault(mode, every)
             losses.setdefault(mode, probe.losses)

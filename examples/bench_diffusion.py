@@ -57,8 +57,8 @@ def worker(out: Path, n_layers: int, repeats: int) -> None:
 
     from dynmo_lightning.balance import bottleneck, partition
     from dynmo_lightning.balance.diffusion.driver import MODES, start_stages
-    from dynmo_lightning.pipeline.layout import PipelineGroup
-    from dynmo_lightning.pipeline.neighbours import run_stage
+    from dynmo_lightning.pipeline.stage.neighbours import run_stage
+    from dynmo_lightning.pipeline.topology.mesh import PipelineGroup
 
     rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)

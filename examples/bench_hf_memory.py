@@ -101,7 +101,7 @@ def stage(case: str, config: dict[str, Any], checkpoint: Path, world_size: int) 
     own = sum(p.numel() * p.element_size() for p in module.parameters())
     return {
         "rank": trainer.global_rank,
-        "layers_per_stage": trainer.strategy.layers_per_stage,
+        "layers_per_stage": trainer.strategy.pipeline_control.layers_per_stage,
         "own_param_bytes": own,
         "peak_rss_after_from_hf": after_from_hf,
         "peak_rss": peak_rss(),

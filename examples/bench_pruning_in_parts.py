@@ -5,11 +5,12 @@ Run (4 CPU ranks; on a 2-core machine they share the cores, so the ratios say mo
 
 Under each parallel mode (``tp2``: P = 2 x T = 2; ``fsdp``: P = 2 x D = 2), the reference GPT trains with every
 block pruned at step 0 to a kept fraction of its MLP neurons and attention heads (``GradualPruning``, layer scope,
-units in multiples of 2: the pruned layers are gathered whole, pruned and made parts again, ``pipeline/reshape.py``),
-then the strategy's profiler measures every layer's forward and backward inside real steps (the balancer's own
-numbers, averaged over a stage's processes). The kept fractions alternate within each repeat (rotated), every
-repeat a fresh run of each. Reported per mode and kept fraction: a block's forward + backward time (mean over
-blocks, profiled steps and repeats, with the 95 % interval over repeats) and its ratio to the unpruned block's.
+units in multiples of 2: the pruned layers are gathered whole, pruned and made parts again,
+``pipeline/stage/reshape.py``), then the strategy's profiler measures every layer's forward and backward inside real
+steps (the balancer's own numbers, averaged over a stage's processes). The kept fractions alternate within each repeat
+(rotated), every repeat a fresh run of each. Reported per mode and kept fraction: a block's forward + backward time
+(mean over blocks, profiled steps and repeats, with the 95 % interval over repeats) and its ratio to the unpruned
+block's.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ class BlockTimes(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         """Profile every measured step."""
         if trainer.global_step >= self.first:
-            trainer.strategy.request_profile()
+            trainer.strategy.pipeline_control.request_profile()
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, out: Any, batch: Any, i: int) -> None:
         """Read the step's per-layer costs (collective)."""
         if trainer.global_step - 1 >= self.first:
-            costs = trainer.strategy.profile_results()
+            costs = trainer.strategy.pipeline_control.profile_results()
             self.times += [costs[b]["fwd"] + costs[b]["bwd"] for b in self.blocks]
 
 

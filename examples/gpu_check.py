@@ -101,9 +101,10 @@ from dynmo_lightning.data import VOCAB_SIZE, StdlibCharDataModule
 from dynmo_lightning.launch import clean_env, fresh_world, run_ranks
 from dynmo_lightning.models import GPT
 from dynmo_lightning.models.blocks import Block
-from dynmo_lightning.pipeline.compiled import graphs
-from dynmo_lightning.pipeline.migration import add_to_optimizers, pack_layers, unpack_layers
-from dynmo_lightning.pipeline.sharding import StageSharding
+from dynmo_lightning.pipeline.parallel.compiled import graphs
+from dynmo_lightning.pipeline.parallel.data_parallel import StageSharding
+from dynmo_lightning.pipeline.stage.migration import add_to_optimizers, pack_layers, unpack_layers
+from dynmo_lightning.pipeline.topology.world import FixedWorld
 from dynmo_lightning.profiling import DeviceClock
 
 MICROBATCHES = 2
@@ -544,7 +545,7 @@ class StepProfile(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         """Start DynMo's profiler, ``torch.profiler`` and the span on the chosen step."""
         if trainer.global_step == self.step:
-            trainer.strategy.request_profile()
+            trainer.strategy.pipeline_control.request_profile()
             self._prof = torch.profiler.profile(activities=self.device.profiler_activities())
             self._prof.__enter__()
             self._start = self._clock.now()
@@ -563,7 +564,7 @@ class StepProfile(L.Callback):
         span = self._clock.elapsed(self._start, end)
         self._prof.__exit__(None, None, None)
         device_s, self._prof = self.device.profiled_seconds(self._prof), None
-        layers = trainer.strategy.profile_results() or {}
+        layers = trainer.strategy.pipeline_control.profile_results() or {}
         per_microbatch = sum(c["fwd"] + c["bwd"] for c in layers.values())
         total = per_microbatch * MICROBATCHES
         self.result = {"layers": len(layers), "layers_per_microbatch_s": per_microbatch, "microbatches": MICROBATCHES,
@@ -605,7 +606,7 @@ class StepMemory(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         """Profile step 1; reset the peaks at the start of step 2."""
         if trainer.global_step == 1:
-            trainer.strategy.request_profile()
+            trainer.strategy.pipeline_control.request_profile()
             self._profiling = True
         elif trainer.global_step == 2 and self.device.cuda:
             torch.cuda.synchronize()
@@ -616,13 +617,13 @@ class StepMemory(L.Callback):
         strategy = trainer.strategy
         if self._profiling:
             self._profiling = False
-            measured = strategy.profile_results()
+            measured = strategy.pipeline_control.profile_results()
             if measured is not None:
-                tracker = CostTracker(strategy.n_layers)
+                tracker = CostTracker(strategy.pipeline_control.n_layers)
                 tracker.update(measured)
-                model = MemoryModel(tracker.layer_memory(), strategy.schedule, strategy.pp_size,
+                model = MemoryModel(tracker.layer_memory(), strategy.schedule, strategy.pipeline_control.pp_size,
                                     strategy.n_microbatches, strategy.stages_per_rank)  # fmt: skip
-                self.layers_per_stage = list(strategy.layers_per_stage)
+                self.layers_per_stage = list(strategy.pipeline_control.layers_per_stage)
                 self.predicted = model.peaks(self.layers_per_stage)
         elif trainer.global_step > 2 and self.device.cuda:  # steps 2, 3, ... are done
             self.allocated, self.reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
@@ -777,7 +778,7 @@ def _adopted_step(check: Check, mesh: DeviceMesh, kind: str) -> dict[str, Any]:
     device = local_part(next(block.parameters())).device
     blob, tensors = pack_layers({0: block}, [optimizer], device)
     wire = [torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t) for t in tensors]  # as the receiver allocates
-    copy, entries = unpack_layers(blob, wire, StageSharding("fsdp", lambda: mesh, device))[0]
+    copy, entries = unpack_layers(blob, wire, StageSharding("fsdp", FixedWorld(mesh), device))[0]
     # The receiver's optimizer already optimizes its own units (here: a placeholder without gradients).
     placeholder = torch.nn.Linear(2, 2, device=device)
     fully_shard(placeholder, mesh=mesh)
@@ -984,10 +985,10 @@ class Resize(L.Callback):
         """Act at the two steps."""
         strategy, step = trainer.strategy, trainer.global_step
         if step == self.steps // 3:
-            first, second = strategy.layers_per_stage
-            strategy.repartition([first - 1, second + 1] if first > 1 else [first + 1, second - 1])
+            first, second = strategy.pipeline_control.layers_per_stage
+            strategy.pipeline_control.repartition([first - 1, second + 1] if first > 1 else [first + 1, second - 1])
         elif step == 2 * self.steps // 3 and strategy.world_size > 1:
-            strategy.shrink([0], [strategy.n_layers])
+            strategy.pipeline_control.shrink([0], [strategy.pipeline_control.n_layers])
 
 
 def worker(out: Path, device: str, steps: int, quick: bool, kind: str = "pipeline") -> None:
@@ -1002,13 +1003,13 @@ def worker(out: Path, device: str, steps: int, quick: bool, kind: str = "pipelin
         trainer = fit(check, model, corpus(model.hparams.block_size, batch_size=4 if fsdp else 8), devices=2,
                       callbacks=[losses], strategy=strategy, gradient_clip_val=CLIP)  # fmt: skip
         if trainer.global_rank == 0:
-            out.write_text(json.dumps({"losses": losses.values, "replicas": trainer.strategy.dp_size,
+            out.write_text(json.dumps({"losses": losses.values, "replicas": trainer.strategy.pipeline_control.dp_size,
                                        "tensor_parallel_size": trainer.strategy.tensor_parallel_size}))  # fmt: skip
         return
     trainer = fit(check, model, corpus(model.hparams.block_size), devices=2, callbacks=[losses, Resize(steps)],
                   gradient_clip_val=CLIP)  # fmt: skip
     if trainer.global_rank == 0:  # the released rank left during training
-        result = {"losses": losses.values, "partitions": trainer.strategy.partitions,
+        result = {"losses": losses.values, "partitions": trainer.strategy.pipeline_control.partitions,
                   "world_size_end": trainer.world_size}  # fmt: skip
         out.write_text(json.dumps(result))
 

@@ -34,7 +34,7 @@ from dynmo_lightning.callbacks import TokenEarlyExit
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.launch import run_ranks, start_ranks
 from dynmo_lightning.models import GPT
-from dynmo_lightning.pipeline.sharded import load_whole
+from dynmo_lightning.pipeline.checkpoint.sharded import load_whole
 
 EPOCH = 100  # steps per epoch (--epoch): checkpoints at epoch ends resume with the exact data order
 SAMPLE = 50  # steps between memory samples

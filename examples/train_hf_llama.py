@@ -64,7 +64,7 @@ def main() -> None:
     trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
         print({k: round(float(v), 4) for k, v in trainer.callback_metrics.items()})
-        print("layers per stage over training:", trainer.strategy.partitions)
+        print("layers per stage over training:", trainer.strategy.pipeline_control.partitions)
     if args.export:
         # Every stage writes its own layers; then one process reads them all back (what `dynmo-export --hf` does).
         trainer.save_checkpoint(f"{args.export}.ckpt", weights_only=False)

@@ -34,12 +34,18 @@ class Measure(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step >= self.skip:
-            trainer.strategy.request_profile()
+            trainer.strategy.pipeline_control.request_profile()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        costs = trainer.strategy.profile_results() if trainer.global_step > self.skip else None
+        costs = trainer.strategy.pipeline_control.profile_results() if trainer.global_step > self.skip else None
         if costs is not None:
-            self.steps.append((costs, trainer.strategy.layers_per_stage, trainer.strategy.schedule_seconds))
+            self.steps.append(
+                (
+                    costs,
+                    trainer.strategy.pipeline_control.layers_per_stage,
+                    trainer.strategy.pipeline_control.schedule_seconds,
+                )
+            )
 
 
 def hop_seconds(numel: int, repeats: int = 20) -> float:

@@ -20,7 +20,7 @@ from dynmo_lightning.callbacks import CostTrace, MixtureOfExperts
 from dynmo_lightning.cli import CONF_DIR
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
-from dynmo_lightning.pipeline.ties import TieError
+from dynmo_lightning.pipeline.stage.ties import TieError
 from dynmo_lightning.protocol import ProtocolError
 
 pytestmark = pytest.mark.timeout(120)
@@ -131,7 +131,7 @@ def test_fsdp_memory_settings(kwargs, match):
 
 
 def test_interleaved_schedule_constraints():
-    from dynmo_lightning.pipeline.runtime import check_schedule
+    from dynmo_lightning.pipeline.stage.schedules import check_schedule
 
     with pytest.raises(ValueError, match="interleaved_1f1b' needs at least 2 processes"):
         _fit(tiny_gpt(), DynMoStrategy(schedule="interleaved_1f1b", stages_per_rank=2), _loader())
@@ -144,7 +144,7 @@ def test_interleaved_schedule_constraints():
 
 
 def test_zero_bubble_schedule_constraints():
-    from dynmo_lightning.pipeline.runtime import check_schedule
+    from dynmo_lightning.pipeline.stage.schedules import check_schedule
 
     # (torch < 2.13 refuses a V on gloo first: test_v_schedules_on_gloo_need_torch_2_13)
     with pytest.raises(ValueError, match="'zbv' needs at least 2 processes" if V_ON_GLOO else "needs torch >= 2.13"):
@@ -286,13 +286,12 @@ def test_checkpoint_of_another_model(tmp_path):
 
 def test_v_schedules_on_gloo_need_torch_2_13(monkeypatch):
     """torch 2.11's runtime sends the V's middle stages' shapes from a process to itself, which gloo cannot do."""
-    from dynmo_lightning.pipeline import launcher
-
+    from dynmo_lightning.strategy import checks
     cpu = [torch.device("cpu")]
     if V_ON_GLOO:
-        launcher.check_v_schedule("zbv", None, cpu)  # this torch (>= 2.13) keeps it local
+        checks.check_v_schedule("zbv", None, cpu)  # this torch (>= 2.13) keeps it local
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.11.0+cu130"))
     with pytest.raises(ValueError, match=r"strategy.schedule='zbv' on gloo needs torch >= 2.13 \(this is 2.11.0"):
-        launcher.check_v_schedule("zbv", None, cpu)
-    launcher.check_v_schedule("interleaved_zb", None, cpu)  # looped: no two adjacent stages on one process
-    launcher.check_v_schedule("dualpipev", None, [torch.device("cuda", 0)])  # NCCL sends to itself
+        checks.check_v_schedule("zbv", None, cpu)
+    checks.check_v_schedule("interleaved_zb", None, cpu)  # looped: no two adjacent stages on one process
+    checks.check_v_schedule("dualpipev", None, [torch.device("cuda", 0)])  # NCCL sends to itself

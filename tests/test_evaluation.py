@@ -14,8 +14,8 @@ from support.classifier_model import Classifier, loader, run
 from support.helpers import launch_script
 
 from dynmo_lightning import DynMoStrategy
-from dynmo_lightning.pipeline.launcher import check_model
 from dynmo_lightning.protocol import ProtocolError
+from dynmo_lightning.strategy.checks import check_model
 
 SCRIPT = SUPPORT / "_classifier_script.py"
 

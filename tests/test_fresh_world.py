@@ -112,13 +112,13 @@ def test_the_world_ends_in_order_at_exit(monkeypatch):
     import torch.distributed as dist
 
     from dynmo_lightning import launch
-    from dynmo_lightning.pipeline import worlds
-    from dynmo_lightning.pipeline.groups import open_store
+    from dynmo_lightning.pipeline.elastic import lifetimes as worlds
+    from dynmo_lightning.pipeline.elastic.survivors import open_store
 
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)
     monkeypatch.setattr(worlds, "_ends_at_exit", False)
-    launch.end_world_at_exit()  # the users' door; the world's state lives in pipeline/worlds.py
+    launch.end_world_at_exit()  # the users' door; the world's state lives in pipeline/elastic/lifetimes.py
     launch.end_world_at_exit()
     assert registered == [worlds._end_at_exit]
     dist.init_process_group("gloo", store=open_store("127.0.0.1", timedelta(seconds=30), world_size=1), rank=0,

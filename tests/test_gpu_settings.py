@@ -20,7 +20,7 @@ from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.cli import CONF_DIR, build_trainer, trainer_precision
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
-from dynmo_lightning.pipeline.launcher import check_backend
+from dynmo_lightning.strategy.checks import check_backend
 
 CUDA = [torch.device("cuda", 0), torch.device("cuda", 1)]
 PACKAGE = Path(__file__).resolve().parent.parent / "dynmo_lightning"

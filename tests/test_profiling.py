@@ -22,12 +22,12 @@ class Profile(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step in self.steps:
-            trainer.strategy.request_profile()
+            trainer.strategy.pipeline_control.request_profile()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
         if trainer.global_step - 1 in self.steps:
-            self.measured[trainer.global_step - 1] = trainer.strategy.profile_results()
+            self.measured[trainer.global_step - 1] = trainer.strategy.pipeline_control.profile_results()
 
 
 def _fit(steps: set[int]) -> tuple[Profile, GPT]:

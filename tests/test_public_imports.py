@@ -62,3 +62,36 @@ run_layers runs_without_autograd set_host_value split_batch stage_forward stage_
 def test_the_protocol_module_keeps_every_name_it_had(name):
     # what dynmo_lightning.protocol held before core/ took its ideas apart, and what callbacks' authors import
     assert hasattr(importlib.import_module("dynmo_lightning.protocol"), name)
+
+
+#: Module paths of the flat ``pipeline/`` the pages and users' code named before it had parts, and a name of each.
+MOVED_PATHS = [
+    ("dynmo_lightning.pipeline.sharded", "load_whole"),
+    ("dynmo_lightning.pipeline.release", "ReleaseEvent"),
+    ("dynmo_lightning.pipeline.layout", "ReplicaLayout"),
+    ("dynmo_lightning.pipeline.layout", "shard_dataloader"),  # a module split in parts finds names in each
+    ("dynmo_lightning.pipeline.sharding", "full_tensors"),
+    ("dynmo_lightning.pipeline.compiled", "graphs"),
+    ("dynmo_lightning.pipeline.strategy_settings", "StrategySettings"),
+]
+
+
+@pytest.mark.parametrize(("module", "name"), MOVED_PATHS)
+def test_old_pipeline_paths_import_with_a_deprecation_warning(module, name):
+    import sys
+
+    sys.modules.pop(module, None)  # imported once per process: warn again here
+    with pytest.warns(DeprecationWarning, match="moved to"):
+        moved = importlib.import_module(module)
+    assert getattr(moved, name).__module__.startswith(("dynmo_lightning.pipeline.", "dynmo_lightning.strategy."))
+
+
+def test_a_module_that_moved_whole_is_the_same_module_under_both_names():
+    import warnings
+
+    from dynmo_lightning.pipeline.checkpoint import sharded
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old = importlib.import_module("dynmo_lightning.pipeline.sharded")
+    assert old is sharded and sharded.__spec__.name == "dynmo_lightning.pipeline.checkpoint.sharded"

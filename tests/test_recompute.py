@@ -15,8 +15,8 @@ from torch.utils.checkpoint import CheckpointError
 from dynmo_lightning import DynMoStrategy, recompute
 from dynmo_lightning.models import GPT
 from dynmo_lightning.models.blocks import Block
-from dynmo_lightning.pipeline.layers import LayerSlots, StageModule
-from dynmo_lightning.pipeline.runtime import PipelineRuntime, StagePlan
+from dynmo_lightning.pipeline.stage.runtime import PipelineRuntime, StagePlan
+from dynmo_lightning.pipeline.stage.slots import LayerSlots, StageModule
 from dynmo_lightning.profiling import LayerProfiler
 from dynmo_lightning.protocol import set_host_value
 from dynmo_lightning.recompute import checkpoint_policy, checkpointed_call

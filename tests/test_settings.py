@@ -136,7 +136,7 @@ def test_messages_name_only_keys_that_exist():
 
 def test_the_strategy_takes_its_settings_as_keywords_or_one_object():
     from dynmo_lightning import DynMoStrategy
-    from dynmo_lightning.pipeline.strategy_settings import StrategySettings
+    from dynmo_lightning.strategy.arguments import StrategySettings
 
     settings = StrategySettings(n_microbatches=8, schedule="zbv", stages_per_rank=2, partition=(2, 2, 1, 1))
     strategy = DynMoStrategy.from_settings(settings)

@@ -17,7 +17,7 @@ from support.helpers import DP2, TINY, assert_close_losses, assert_close_params,
 
 from dynmo_lightning.cli import CONF_DIR
 from dynmo_lightning.launch import clean_env
-from dynmo_lightning.pipeline import sharded
+from dynmo_lightning.pipeline.checkpoint import sharded
 
 EPOCH = [
     "trainer.limit_train_batches=10",

@@ -15,7 +15,7 @@ from support import SUPPORT
 from support.helpers import assert_close_losses, assert_close_params, launch_script
 from support.user_model import fit
 
-from dynmo_lightning.pipeline.sharded import load_whole
+from dynmo_lightning.pipeline.checkpoint.sharded import load_whole
 
 SCRIPT = SUPPORT / "_user_script.py"
 

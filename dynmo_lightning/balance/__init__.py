@@ -19,8 +19,8 @@ the number of layers, stage ``i`` holding the next contiguous block. Stages and 
   :class:`DiffusionResult` reports the split, rounds used, bottleneck and whether it finished within ``max_rounds``. One
   stage of it is :class:`~dynmo_lightning.balance.diffusion.driver.DiffusionStage`
   (:mod:`~dynmo_lightning.balance.diffusion.driver`, with the in-memory drivers), the state machine the runtime drives
-  point-to-point (:mod:`dynmo_lightning.pipeline.neighbours`); it dispatches to its mode's object. Both modes share the
-  card and the outcome (:mod:`~dynmo_lightning.balance.diffusion.cards`) and a stage's own state
+  point-to-point (:mod:`dynmo_lightning.pipeline.stage.neighbours`); it dispatches to its mode's object. Both modes
+  share the card and the outcome (:mod:`~dynmo_lightning.balance.diffusion.cards`) and a stage's own state
   (:mod:`~dynmo_lightning.balance.diffusion.stage_state`).
 * :func:`bottleneck`, :func:`stage_loads`, :func:`imbalance`, :func:`bytes_moved`, :func:`validate_partition` -
   measure and check partitions.

@@ -5,8 +5,8 @@ gloo), measured by the kernel, not by anything built on the model's assumptions.
 
 - the prediction comes from the balancer's own path: a profiled step (``request_profile``, the strategy's
   ``profile_results``: the profiler's bytes gathered over the pipeline and its replicas, FSDP2's gradients and
-  gathered weights as :meth:`~dynmo_lightning.pipeline.sharding.StageSharding.step_bytes` prices them), folded into
-  a :class:`~dynmo_lightning.balance.CostTracker`, its ``layer_memory()`` priced by
+  gathered weights as :meth:`~dynmo_lightning.pipeline.parallel.data_parallel.StageSharding.step_bytes` prices them),
+  folded into a :class:`~dynmo_lightning.balance.CostTracker`, its ``layer_memory()`` priced by
   :class:`~dynmo_lightning.balance.steptime.memory_model.MemoryModel` under the schedule's task order, for this
   process's pipeline rank;
 - the measured peak of the next step's schedule (up to the optimizer step, what the model prices) is what the
@@ -99,12 +99,12 @@ class StepMemory(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         """Profile a window's profiled step; open the measurement of a measured one (from what the process holds)."""
-        strategy, step = trainer.strategy, trainer.global_step
+        control, step = trainer.strategy.pipeline_control, trainer.global_step
         if self._profiled(step) is not None:
-            strategy.request_profile()
+            control.request_profile()
         label = self._measured(step)
         if label is not None:
-            if strategy.data_parallel != "ddp" or strategy.dp_size == 1:  # not in DDP's buckets: the step sets
+            if control.data_parallel != "ddp" or control.dp_size == 1:  # not in DDP's buckets: the step sets
                 # them to None first, and they are not held until it makes them again
                 for p in pl_module.parameters():
                     p.grad = None
@@ -143,11 +143,12 @@ class StepMemory(L.Callback):
 
 def _predicted(strategy: Any) -> float:
     """This process's predicted peak from the step just profiled, as the balancer prices it (collective)."""
-    tracker = CostTracker(strategy.n_layers)
-    tracker.update(strategy.profile_results())
-    model = MemoryModel(tracker.layer_memory(), strategy.schedule, strategy.pp_size, strategy.n_microbatches,
-                        strategy.stages_per_rank)  # fmt: skip
-    return model.peaks(strategy.layers_per_stage)[strategy.pp_rank]
+    control = strategy.pipeline_control
+    tracker = CostTracker(control.n_layers)
+    tracker.update(control.profile_results())
+    model = MemoryModel(tracker.layer_memory(), control.schedule, control.pp_size, control.n_microbatches,
+                        control.stages_per_rank)  # fmt: skip
+    return model.peaks(control.layers_per_stage)[control.pp_rank]
 
 
 def _windows(case: str) -> list[tuple[str, int, tuple[int, ...]]]:
@@ -190,9 +191,9 @@ def _fit(case: str) -> dict[str, Any]:
         )
         loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
         trainer.fit(model, loader, loader)
-        strategy = trainer.strategy
-        return {"case": case, "rank": trainer.global_rank, "pp_rank": strategy.pp_rank, "pp_size": strategy.pp_size,
-                "layers_per_stage": strategy.layers_per_stage, "schedule": strategy.schedule,
+        control = trainer.strategy.pipeline_control
+        return {"case": case, "rank": trainer.global_rank, "pp_rank": control.pp_rank, "pp_size": control.pp_size,
+                "layers_per_stage": control.layers_per_stage, "schedule": control.schedule,
                 "results": probe.results}  # fmt: skip
 
 

@@ -66,7 +66,7 @@ class Window(L.Callback):
         self._begin = time.perf_counter()
         if step == self.start:
             self.t0 = self._begin
-        if trainer.strategy.changed_layers(step):
+        if trainer.strategy.pipeline_control.changed_layers(step):
             self.events.append(step)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, b: Any, i: int) -> None:
@@ -149,9 +149,9 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": window.steps * data.tokens_per_batch / window.seconds if window.seconds else None,
         "window_steps": window.steps,
         "step_seconds": [round(t, 5) for t in window.step_seconds],
-        "partitions": trainer.strategy.partitions,
+        "partitions": trainer.strategy.pipeline_control.partitions,
         "events": window.events,
-        "moves": [p["step"] for p in trainer.strategy.partitions[1:]],
+        "moves": [p["step"] for p in trainer.strategy.pipeline_control.partitions[1:]],
         "val_loss": float(trainer.callback_metrics.get("val_loss", math.nan)),
     }
     if balancer is not None and costs is not None:

@@ -8,7 +8,7 @@ migration time, and the relative step-time gain exceeds ``min_gain``. Every proc
 the same gathered numbers, so no extra agreement round is needed.
 
 With ``method="diffusion"`` the plan and the keep / migrate decision need no gathered costs: each stage runs its
-share of the neighbour protocol from its own layers' costs (:mod:`~dynmo_lightning.pipeline.neighbours`), and the
+share of the neighbour protocol from its own layers' costs (:mod:`~dynmo_lightning.pipeline.stage.neighbours`), and the
 decision is taken from per-stage sums the stages pass along the chain.
 """
 
@@ -29,9 +29,9 @@ from dynmo_lightning.balance.decision.policy import GROW, MIGRATE, REPACK, Balan
 from dynmo_lightning.balance.decision.policy_settings import METHODS, BalanceSettings
 from dynmo_lightning.balance.split.placement import rank_stages
 from dynmo_lightning.core.composition import Composition, refuse
-from dynmo_lightning.core.control import JobShape, PipelineControl, pipeline_control
-from dynmo_lightning.pipeline.groups import ON_RELEASE
-from dynmo_lightning.pipeline.release import RELEASE_TO, ReleaseHandler, make_release_handler
+from dynmo_lightning.core.control import JobShape, Rebalancing, pipeline_control
+from dynmo_lightning.pipeline.elastic.release import RELEASE_TO, ReleaseHandler, make_release_handler
+from dynmo_lightning.pipeline.elastic.survivors import ON_RELEASE
 from dynmo_lightning.profiling import device_memory
 from dynmo_lightning.settings import build, configured_by, from_settings
 
@@ -55,7 +55,7 @@ class BalancerSettings(BalanceSettings):
     """Who is told of a release, to take the freed resources back: ``"none"``, ``"slurm"`` (shrink the Slurm
     allocation to the kept nodes with ``scontrol update`` and give the survivors the resized job's environment),
     ``"command"`` (run ``release_command`` with the release as JSON on its standard input), or a callable taking a
-    :class:`~dynmo_lightning.pipeline.release.ReleaseEvent`. Its failure is logged and never stops training."""
+    :class:`~dynmo_lightning.pipeline.elastic.release.ReleaseEvent`. Its failure is logged and never stops training."""
     release_command: str | None = None
     """The shell command of ``release_to="command"``."""
 
@@ -89,7 +89,7 @@ class DynMoBalancer(Callback):
         self._profiling = False
         #: Every layer's costs of the last step this balancer profiled (all layers, gathered from all stages).
         self.last_measured: dict[int, dict[str, float]] | None = None
-        self._bound: PipelineControl | None = None
+        self._bound: Rebalancing | None = None
 
     @classmethod
     def from_settings(cls, settings: BalancerSettings, **overrides: Any) -> Self:
@@ -107,8 +107,8 @@ class DynMoBalancer(Callback):
         return self.policy.bandwidth
 
     # ----------------------------------------------------------------------------------------------------------------
-    def _strategy(self, trainer: pl.Trainer) -> PipelineControl:
-        control = pipeline_control(trainer)
+    def _strategy(self, trainer: pl.Trainer) -> Rebalancing:
+        control = pipeline_control(trainer, Rebalancing)
         if control is None:
             raise TypeError(
                 f"DynMoBalancer needs Trainer(strategy=DynMoStrategy(...)) (or strategy='dynmo'), got "
@@ -198,7 +198,7 @@ class DynMoBalancer(Callback):
             self._resume(strategy, self._restored)
             self._restored = None
 
-    def _resume(self, strategy: PipelineControl, state: dict[str, Any]) -> None:
+    def _resume(self, strategy: Rebalancing, state: dict[str, Any]) -> None:
         """Start a resumed run from the balanced split (re-planned when the number of stages changed)."""
         self.policy.load_state_dict(state, strategy.n_layers)
         saved = state.get("partition")
@@ -233,7 +233,7 @@ class DynMoBalancer(Callback):
         if self.policy.due(trainer.global_step):  # optimizer steps done, this one included
             self._check(trainer, pl_module, strategy)
 
-    def _shape(self, strategy: PipelineControl) -> PipelineShape:
+    def _shape(self, strategy: Rebalancing) -> PipelineShape:
         return PipelineShape(
             strategy.layers_per_stage,
             strategy.pp_size,
@@ -246,7 +246,7 @@ class DynMoBalancer(Callback):
             strategy.fsdp_memory == "auto",
         )
 
-    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: PipelineControl) -> None:
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: Rebalancing) -> None:
         t0 = time.perf_counter()
         shape = self._shape(strategy)
         if self.settings.method == "diffusion" and strategy.stages_per_rank == 1 and strategy.pp_size > 1:
@@ -274,7 +274,7 @@ class DynMoBalancer(Callback):
         if way == "fast":  # after layers moved: the split planned fits the fast way
             self._switch_fsdp_memory(trainer, strategy, way)
 
-    def _switch_fsdp_memory(self, trainer: pl.Trainer, strategy: PipelineControl, way: str) -> None:
+    def _switch_fsdp_memory(self, trainer: pl.Trainer, strategy: Rebalancing, way: str) -> None:
         """Hold FSDP2 units' weights and gradients ``way`` from the next step on (``fsdp_memory="auto"``)."""
         if way == strategy.fsdp_memory_in_force:
             return
@@ -289,7 +289,7 @@ class DynMoBalancer(Callback):
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
-        strategy: PipelineControl,
+        strategy: Rebalancing,
         decision: Decision,
         plan_s: float,
     ) -> None:
@@ -320,7 +320,7 @@ class DynMoBalancer(Callback):
         self._log(pl_module, strategy, record)
 
     def _consolidate(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: PipelineControl, decision: Decision
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: Rebalancing, decision: Decision
     ) -> None:
         """Pack onto fewer processes (released processes leave ``fit`` here)."""
         assert decision.keep_ranks is not None
@@ -356,7 +356,7 @@ class DynMoBalancer(Callback):
         )
 
     def _grow(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: PipelineControl, decision: Decision
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: Rebalancing, decision: Decision
     ) -> None:
         """Re-admit waiting processes as new stages (more stages pay again)."""
         record = {"step": trainer.global_step, "grow": decision.info.get("admit"), "proposed": decision.proposed,
@@ -369,7 +369,7 @@ class DynMoBalancer(Callback):
             on_epoch=False,
         )
 
-    def _log(self, pl_module: pl.LightningModule, strategy: PipelineControl, record: dict[str, Any]) -> None:
+    def _log(self, pl_module: pl.LightningModule, strategy: Rebalancing, record: dict[str, Any]) -> None:
         assert self.tracker is not None
         predicted = balance.stage_loads(self.tracker.compute, strategy.layers_per_stage)
         metrics = {
@@ -416,7 +416,7 @@ class DynMoBalancer(Callback):
         self._restored = state_dict
 
 
-def _rank_loads(stage_loads: list[float], strategy: PipelineControl) -> list[float]:
+def _rank_loads(stage_loads: list[float], strategy: Rebalancing) -> list[float]:
     """Every pipeline rank's load: the sum of its stages' (a rank runs its stages one after the other)."""
     if len(stage_loads) != strategy.pp_size * strategy.stages_per_rank:
         return stage_loads  # the split of another pipeline (before a resize): per stage

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import Self, override
 
 from dynmo_lightning.core.callback_tools import all_gather, layers_changed, local_layers
-from dynmo_lightning.core.control import pipeline_control
+from dynmo_lightning.core.control import LayerEvents, pipeline_control
 from dynmo_lightning.optim import drop_params
 from dynmo_lightning.settings import build, configured_by, from_settings
 
@@ -241,7 +241,7 @@ def _gather_windows(pl_module: pl.LightningModule) -> dict[int, float]:
 
 def _sharing(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
     """``param -> indices of the layers sharing it``: from a pipeline strategy (which sees all stages), or locally."""
-    control = pipeline_control(trainer)
+    control = pipeline_control(trainer, LayerEvents)
     if control is not None:
         return control.tie_layers
     owners: dict[int, set[int]] = {}

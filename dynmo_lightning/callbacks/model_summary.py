@@ -23,7 +23,7 @@ from torch import nn
 from typing_extensions import override
 
 from dynmo_lightning.core.callback_tools import all_gather, local_layers
-from dynmo_lightning.core.control import PipelineControl, pipeline_control
+from dynmo_lightning.core.control import RunFacts, pipeline_control
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,7 @@ def pipeline_summary(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Pipe
     Raises:
         TypeError: the trainer's strategy does not split the model.
     """
-    control = pipeline_control(trainer)
+    control = pipeline_control(trainer, RunFacts)
     if control is None:
         raise TypeError("pipeline_summary needs a pipeline strategy (DynMoStrategy); use Lightning's ModelSummary")
     parts = all_gather(_local_counts(control, trainer, pl_module), trainer)  # the first replica's, by pipeline rank
@@ -123,7 +123,7 @@ def pipeline_summary(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Pipe
     )
 
 
-def _local_counts(control: PipelineControl, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+def _local_counts(control: RunFacts, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
     """This process's layers' counts, its device, and the train/eval modes of the modules outside every layer."""
     layers: dict[int, _LayerCount] = {}
     seen: set[int] = set()  # a parameter shared by two local layers is owned once
@@ -175,7 +175,7 @@ class PipelineModelSummary(ModelSummary):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if pipeline_control(trainer) is None:
+        if pipeline_control(trainer, RunFacts) is None:
             super().on_fit_start(trainer, pl_module)
         elif self._max_depth:
             summary = pipeline_summary(trainer, pl_module)  # every process counts its own layers

@@ -13,11 +13,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from dynmo_lightning.core.control import pipeline_control
+from dynmo_lightning.core.control import RunFacts, pipeline_control
 from dynmo_lightning.core.host_values import DeviceScalars
-from dynmo_lightning.pipeline.compiled import graphs
-from dynmo_lightning.pipeline.precision import PipelinePrecision
-from dynmo_lightning.pipeline.reduce import GlobalNormClipping
+from dynmo_lightning.pipeline.parallel.compiled import graphs
+from dynmo_lightning.pipeline.stage.reduce import GlobalNormClipping
 from dynmo_lightning.recompute import recomputations
 
 
@@ -68,7 +67,7 @@ class RunSummary(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        control = pipeline_control(trainer)
+        control = pipeline_control(trainer, RunFacts)
         if control is not None and control.changed_layers(trainer.global_step):
             self.changed.append(len(self.compiled))
 
@@ -92,10 +91,10 @@ class RunSummary(Callback):
 
     def _record_grad_norm(self, trainer: pl.Trainer) -> None:
         """Keep (on the device) the pre-clip global gradient norm of this step, if the pipeline clipped by norm."""
-        plugin = trainer.precision_plugin
-        if not isinstance(plugin, PipelinePrecision) or not isinstance(plugin.clip_by_norm, GlobalNormClipping):
+        clipping = getattr(trainer.precision_plugin, "clip_by_norm", None)  # the strategy's precision plugin sets it
+        if not isinstance(clipping, GlobalNormClipping):
             return
-        norm = plugin.clip_by_norm.last_norm
+        norm = clipping.last_norm
         # A new tensor per clipping call: the same one again means no optimizer step clipped since the last batch.
         if norm is not None and norm is not self._last_norm:
             self._grad_norms.append(norm)
@@ -128,7 +127,7 @@ class RunSummary(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pause()
-        control = pipeline_control(trainer)
+        control = pipeline_control(trainer, RunFacts)
         norm = control.param_norm() if control is not None else _param_norm(pl_module)
         replicas_in_sync = control.replicas_in_sync() if control is not None else True
         if not trainer.is_global_zero:
@@ -160,7 +159,7 @@ class RunSummary(Callback):
 
 def _world(trainer: pl.Trainer) -> dict[str, int]:
     """The job's size now: processes and data-parallel replicas of the pipeline."""
-    control = pipeline_control(trainer)
+    control = pipeline_control(trainer, RunFacts)
     replicas = control.dp_size if control is not None else 1
     return {"step": trainer.global_step, "world_size": trainer.world_size, "replicas": replicas}
 

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from dynmo_lightning.balance import CostTracker
-from dynmo_lightning.core.control import PipelineControl, pipeline_control
+from dynmo_lightning.core.control import Rebalancing, pipeline_control
 
 
 class CostTrace(Callback):
@@ -38,8 +38,8 @@ class CostTrace(Callback):
         self.every_n_steps = every_n_steps
 
     @staticmethod
-    def _strategy(trainer: pl.Trainer) -> PipelineControl:
-        control = pipeline_control(trainer)
+    def _strategy(trainer: pl.Trainer) -> Rebalancing:
+        control = pipeline_control(trainer, Rebalancing)
         if control is None:
             raise TypeError("profile.trace needs strategy=DynMoStrategy (it measures the pipeline's layers)")
         return control

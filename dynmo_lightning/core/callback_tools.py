@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dynmo_lightning.core.context import on_host
-from dynmo_lightning.core.control import pipeline_control
+from dynmo_lightning.core.control import LayerEvents, pipeline_control
 
 
 def local_layers(module: Any) -> list[tuple[int, nn.Module]]:
@@ -33,7 +33,7 @@ def layers_changed(trainer: Any, layers: Iterable[int] | None = None) -> None:
         trainer: the Trainer.
         layers: indices of the layers that changed (``None``: any may have).
     """
-    control = pipeline_control(trainer)
+    control = pipeline_control(trainer, LayerEvents)
     if control is not None:
         control.on_layers_changed(None if layers is None else sorted(set(layers)))
 
@@ -54,7 +54,7 @@ def all_gather(obj: Any, trainer: Any = None, *, replicas: bool = False) -> list
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return [[obj]] if replicas else [obj]
     out: list[Any] = [None] * torch.distributed.get_world_size()
-    control = pipeline_control(trainer) if trainer is not None else None
+    control = pipeline_control(trainer, LayerEvents) if trainer is not None else None
     if control is not None:  # over the strategy's CPU group: pickles never staged on a GPU
         with on_host():
             torch.distributed.all_gather_object(out, obj, group=control.host_group)

@@ -1,7 +1,9 @@
-"""The strategy contracts callbacks rely on: :class:`PipelineControl` and its roles, :class:`PreLaunchCheck`.
+"""The strategy contracts callbacks rely on: the roles of :class:`PipelineControl`, and :class:`PreLaunchCheck`.
 
-``DynMoStrategy`` implements :class:`PipelineControl` and gives the :class:`LayerEditing` role; callbacks find them
-with :func:`pipeline_control` and :func:`layer_editing` and never import the strategy.
+``DynMoStrategy`` gives every role as ``strategy.pipeline_control``: :class:`RunFacts` (the summaries),
+:class:`LayerEvents` (the dynamics), :class:`Rebalancing` (the balancer), and :class:`LayerEditing` (structured
+pruning). Callbacks ask for theirs with :func:`pipeline_control` and :func:`layer_editing` and never import the
+strategy.
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor
+
+Role = TypeVar("Role")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +69,11 @@ class PreLaunchCheck(Protocol):
 
 
 @runtime_checkable
-class PipelineControl(Protocol):
-    """What a callback may ask a pipeline strategy and tell it (``DynMoStrategy`` implements it).
+class RunFacts(Protocol):
+    """The role of a callback that reports on the run (the run summary, the model summary, the cost trace).
 
-    Callbacks reach the strategy through this contract only (:func:`pipeline_control`), never through the class, so
-    the dynamics callbacks run unchanged under strategies that do not split the model, and tests can drive the
-    balancer with a stand-in. Every property answers (with an empty value) before the strategy is set up.
+    What the pipeline is and was: its shape, the partition in force and every change, the releases, and the whole
+    model's norms (collective). Every property answers (with an empty value) before the strategy is set up.
     """
 
     n_microbatches: int
@@ -80,8 +83,6 @@ class PipelineControl(Protocol):
     data_parallel: str
     #: Processes every stage is split over (tensor parallelism; 1: none).
     tensor_parallel_size: int
-    #: How FSDP2 units hold a step's weights and gradients, as set: ``"fast"``, ``"lean"`` or ``"auto"``.
-    fsdp_memory: str
 
     @property
     def world_size(self) -> int:
@@ -119,18 +120,13 @@ class PipelineControl(Protocol):
         ...
 
     @property
-    def waiting(self) -> int:
-        """Released processes waiting to be re-admitted by :meth:`grow`."""
+    def partitions(self) -> list[dict[str, Any]]:
+        """``[{"step", "layers_per_stage"}]``: the initial split and every change."""
         ...
 
     @property
     def releases(self) -> list[dict[str, Any]]:
         """Every release by a consolidation (ranks, hosts, whole nodes freed)."""
-        ...
-
-    @property
-    def partitions(self) -> list[dict[str, Any]]:
-        """``[{"step", "layers_per_stage"}]``: the initial split and every change."""
         ...
 
     @property
@@ -141,6 +137,78 @@ class PipelineControl(Protocol):
     @property
     def host_group(self) -> Any:
         """A CPU (gloo) group of the whole job for host data (``None``: the default group, a CPU group then)."""
+        ...
+
+    def changed_layers(self, step: int) -> list[int]:
+        """The layers reported changed while ``step`` optimizer steps were done (the balancer reacts to them)."""
+        ...
+
+    def tie_layers(self, param: Tensor) -> set[int]:
+        """Pipeline layers sharing ``param`` in the unsplit model."""
+        ...
+
+    def param_norm(self) -> float:
+        """L2 norm of all the model's parameters, across stages (collective)."""
+        ...
+
+    def replicas_in_sync(self) -> bool:
+        """Whether every replica holds the same parameters and buffers (collective)."""
+        ...
+
+
+@runtime_checkable
+class LayerEvents(Protocol):
+    """The role of a dynamics callback (freezing, pruning, early exit, MoD, MoE, sparse attention).
+
+    It tells the pipeline which layers changed, asks which layers share a parameter, sums values over the processes
+    holding other parts of its layers, and gathers decisions over the job's CPU group, replica by replica.
+    """
+
+    @property
+    def n_layers(self) -> int:
+        """Pipeline layers of the model."""
+        ...
+
+    @property
+    def replica_ranks(self) -> list[list[int]]:
+        """Global ranks of every replica's pipeline, by pipeline rank."""
+        ...
+
+    @property
+    def host_group(self) -> Any:
+        """A CPU (gloo) group of the whole job for host data (``None``: the default group, a CPU group then)."""
+        ...
+
+    def on_layers_changed(self, layers: list[int] | None = None) -> None:
+        """Layers changed (their cost, or which parameters train): rebuild before the next step."""
+        ...
+
+    def tie_layers(self, param: Tensor) -> set[int]:
+        """Pipeline layers sharing ``param`` in the unsplit model."""
+        ...
+
+    def shard_sum(self, values: Tensor) -> Tensor:
+        """``values`` summed over the processes holding the other parts of the same layers (collective over them).
+
+        ``values`` are per local layer, computed from this process's part of each; where every process holds its
+        layers whole, ``values`` itself.
+        """
+        ...
+
+
+@runtime_checkable
+class Rebalancing(RunFacts, Protocol):
+    """The role of the balancer: measure the layers, move them, consolidate onto fewer processes, grow back.
+
+    Also what it needs of :class:`RunFacts` (the shape it plans for, the partition in force).
+    """
+
+    #: How FSDP2 units hold a step's weights and gradients, as set: ``"fast"``, ``"lean"`` or ``"auto"``.
+    fsdp_memory: str
+
+    @property
+    def waiting(self) -> int:
+        """Released processes waiting to be re-admitted by :meth:`grow`."""
         ...
 
     @property
@@ -154,14 +222,6 @@ class PipelineControl(Protocol):
 
     def profile_results(self) -> dict[int, dict[str, float]] | None:
         """Every layer's measured costs of the step just profiled (collective), or ``None``."""
-        ...
-
-    def on_layers_changed(self, layers: list[int] | None = None) -> None:
-        """Layers changed (their cost, or which parameters train): rebuild before the next step."""
-        ...
-
-    def changed_layers(self, step: int) -> list[int]:
-        """The layers reported changed while ``step`` optimizer steps were done (the balancer reacts to them)."""
         ...
 
     def repartition(self, layers_per_stage: list[int]) -> Any:
@@ -199,29 +259,20 @@ class PipelineControl(Protocol):
 
         ``stage_of(pipeline_rank)`` builds this process's stage machine
         (:class:`~dynmo_lightning.balance.diffusion.driver.DiffusionStage`); returns the run's
-        :class:`~dynmo_lightning.pipeline.neighbours.NeighbourStats`.
+        :class:`~dynmo_lightning.pipeline.stage.neighbours.NeighbourStats`.
         """
         ...
 
-    def tie_layers(self, param: Tensor) -> set[int]:
-        """Pipeline layers sharing ``param`` in the unsplit model."""
-        ...
 
-    def param_norm(self) -> float:
-        """L2 norm of all the model's parameters, across stages (collective)."""
-        ...
+@runtime_checkable
+class PipelineControl(Rebalancing, LayerEvents, Protocol):
+    """Everything a callback may ask a pipeline strategy and tell it: every role at once (``DynMoStrategy`` gives it).
 
-    def replicas_in_sync(self) -> bool:
-        """Whether every replica holds the same parameters and buffers (collective)."""
-        ...
-
-    def shard_sum(self, values: Tensor) -> Tensor:
-        """``values`` summed over the processes holding the other parts of the same layers (collective over them).
-
-        ``values`` are per local layer, computed from this process's part of each; where every process holds its
-        layers whole, ``values`` itself.
-        """
-        ...
+    Callbacks reach the strategy through these contracts only (:func:`pipeline_control`), never through the class,
+    each asking for the role it needs (:class:`RunFacts`, :class:`LayerEvents`, :class:`Rebalancing`), so the
+    dynamics callbacks run unchanged under strategies that do not split the model, and tests can drive the balancer
+    with a stand-in of its role only.
+    """
 
 
 @runtime_checkable
@@ -248,12 +299,16 @@ class LayerEditing(Protocol):
 
 def layer_editing(trainer: Any) -> LayerEditing | None:
     """The trainer's strategy's :class:`LayerEditing` role, or ``None`` (layers are then changed where they are)."""
-    role = getattr(getattr(trainer, "strategy", None), "layer_editing", None)
+    role = getattr(pipeline_control(trainer, LayerEvents), "layer_editing", None)
     editing = role() if callable(role) else None
     return editing if isinstance(editing, LayerEditing) else None
 
 
-def pipeline_control(trainer: Any) -> PipelineControl | None:
-    """The trainer's strategy as a :class:`PipelineControl`, or ``None`` when it does not split the model."""
+def pipeline_control(trainer: Any, role: type[Role] = PipelineControl) -> Role | None:  # type: ignore[assignment]
+    """The trainer's strategy in ``role`` (:class:`PipelineControl`: every role), or ``None`` if it has none.
+
+    A pipeline strategy gives its roles as ``strategy.pipeline_control``; a stand-in may be one itself.
+    """
     strategy = getattr(trainer, "strategy", None)
-    return strategy if isinstance(strategy, PipelineControl) else None
+    control = getattr(strategy, "pipeline_control", strategy)
+    return control if isinstance(control, role) else None

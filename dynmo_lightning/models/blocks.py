@@ -57,8 +57,8 @@ class CausalSelfAttention(nn.Module):
     Queries, keys and values have a projection each (``q``, ``k``, ``v``; keys without a bias, which could not change
     an attention weight), laid out head by head, so that a tensor
     parallel split of their rows (``ColwiseParallel``) gives every process whole heads of all three, and one of
-    ``proj``'s columns (``RowwiseParallel``) the same heads (``pipeline/tensor_parallel.py``). The forward counts
-    the heads it got from the projections' widths: the same code runs whole or split.
+    ``proj``'s columns (``RowwiseParallel``) the same heads (``pipeline/parallel/tensor_parallel.py``). The forward
+    counts the heads it got from the projections' widths: the same code runs whole or split.
 
     Structured pruning removes whole heads (:meth:`keep_units`): the projections shrink, so attention costs fall
     with the number of heads left. A checkpoint of the fused layout of earlier versions (``qkv``, rows

@@ -64,7 +64,7 @@ class GPT(PipelineModule):
         attn_density: initial fraction of key blocks each query block keeps (1: dense).
         attn_target_coverage: adapt each layer's density toward this attention-mass coverage (``None``: fixed).
         tie_embeddings: share the token embedding with the output projection (as GPT-2); under a pipeline the
-            first and last stages each hold a copy, kept identical (see :mod:`dynmo_lightning.pipeline.ties`).
+            first and last stages each hold a copy, kept identical (see :mod:`dynmo_lightning.pipeline.stage.ties`).
     """
 
     def __init__(

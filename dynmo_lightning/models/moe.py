@@ -30,11 +30,13 @@ Two ways to run the experts, the same routing:
   applied on the device too. On CUDA every expert's group of rows starts at a multiple of 16 bytes of rows (8 in
   bf16, zero rows in between), as torchtitan pads them for torch's CUDA kernel (:func:`group_alignment`).
   The experts' weights (and biases) of one matrix sit side by side in one block of memory, each expert's parameter a
-  view of its slice (:func:`_share_storage`), so the GEMM reads the block as one ``(E, out, in)`` tensor: no stacked
-  copy of every expert's weights per call. Under autocast the block is cast once while the weights stay the same,
-  and every micro-batch of the step shares the cast (as autocast caches a linear layer's cast weight). Checkpoint
-  keys and the per-expert path stay those of plain ``MLP`` experts. Where the block cannot be kept (FSDP2 shards,
-  experts pruned apart) or read (a compiled layer), the weights are stacked per call.
+  view of its slice (:func:`~dynmo_lightning.models.moe_storage.share_storage`), so the GEMM reads the block as one
+  ``(E, out, in)`` tensor: no stacked copy of every expert's weights per call. Under autocast the block is cast once
+  while the weights stay the same, and every micro-batch of the step shares the cast (as autocast caches a linear
+  layer's cast weight). Checkpoint keys and the per-expert path stay those of plain ``MLP`` experts. Where the block
+  cannot be kept (FSDP2 shards, experts pruned apart) or read (a compiled layer), the weights are stacked per call.
+  The grouped path's kernels live in :mod:`~dynmo_lightning.models.moe_grouped`, the block in
+  :mod:`~dynmo_lightning.models.moe_storage`.
 - **per expert** (elsewhere: fp32 or fp16 on a GPU): one ``index_select`` / MLP / ``index_add`` per expert, whose
   sizes are the one host read of the layer per call.
 """
@@ -42,17 +44,18 @@ Two ways to run the experts, the same routing:
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from dynmo_lightning.core.context import is_probing
 from dynmo_lightning.models.blocks import MLP
+from dynmo_lightning.models.moe_grouped import gemm_dtype, group_alignment, grouped_linear, grouped_mm_op, padded_groups
+from dynmo_lightning.models.moe_storage import share_storage
+
+__all__ = ["MoEMLP", "group_alignment", "grouped_mm_op"]
 
 
 class MoEMLP(nn.Module):
@@ -129,7 +132,7 @@ class MoEMLP(nn.Module):
             for name in ("weight", "bias"):
                 params = [getattr(getattr(e, linear), name) for e in self.experts]
                 if params[0] is not None:
-                    _share_storage(params)
+                    share_storage(params)
 
     def _apply(self, fn: Any, recurse: bool = True) -> MoEMLP:
         # ``to``, ``to_empty``, ``half``...: every parameter gets storage of its own, so group them again.
@@ -254,14 +257,14 @@ class MoEMLP(nn.Module):
                 real = mask.sum().clamp(min=1)
             routed = _count(top_e, self.n_experts, None if mask is None else row)
             order, kept = self._plan_on_device(top_p, top_e, routed, real, None if mask is None else row)
-            align = group_alignment(flat.device, _gemm_dtype(flat))
-            rows, keep, offsets = _padded_groups(kept, len(order), align)
+            align = group_alignment(flat.device, gemm_dtype(flat))
+            rows, keep, offsets = padded_groups(kept, len(order), align)
             assignment = order[rows]
         tokens = assignment // k
         bias_of = top_e[assignment]
-        h = _grouped_linear(flat.index_select(0, tokens), [e.fc for e in self.experts], bias_of, offsets, keep)
+        h = grouped_linear(flat.index_select(0, tokens), [e.fc for e in self.experts], bias_of, offsets, keep)
         h = F.gelu(h)
-        out = _grouped_linear(h, [e.proj for e in self.experts], bias_of, offsets, keep)
+        out = grouped_linear(h, [e.proj for e in self.experts], bias_of, offsets, keep)
         out = self.experts[0].drop(out)  # every expert's dropout is the same module type and rate
         y = torch.zeros_like(flat).index_add_(0, tokens, (out * gates[assignment, None]).to(flat.dtype))
         self._record(kept, (real if isinstance(real, int) else real.detach()) * k)
@@ -343,188 +346,6 @@ def _count(experts: Tensor, n_experts: int, where: Tensor | None = None) -> Tens
     counts = torch.zeros(n_experts, dtype=torch.long, device=experts.device)
     ones = torch.ones_like(experts) if where is None else where.to(experts.dtype)
     return counts.scatter_add_(0, experts, ones)
-
-
-def group_alignment(device: torch.device, dtype: torch.dtype) -> int:
-    """Rows each expert's group of a grouped GEMM starts at a multiple of: 16 bytes of rows on CUDA, else 1.
-
-    torchtitan pads the token groups to 8 rows in bf16 for torch's CUDA kernel, whose backward slices 2-D operands at
-    the offsets. The wheel holds no source that says the kernel needs no alignment (the meta checks,
-    ``_meta_grouped_mm_common`` in ``torch/_meta_registrations.py``, look at strides only), so CUDA pads; the CPU
-    kernel loops over the groups and needs nothing (padding there would only cost rows).
-    """
-    return 16 // dtype.itemsize if device.type == "cuda" else 1
-
-
-def _gemm_dtype(x: Tensor) -> torch.dtype:
-    """The dtype the grouped GEMMs run in: autocast's where it is on (as a linear layer's), else ``x``'s."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
-def _padded_groups(kept: Tensor, n: int, align: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The rows of the grouped GEMMs when each expert's group starts at a multiple of ``align`` rows.
-
-    Args:
-        kept: assignments each expert computes; they come first in the order of ``n`` assignments, by expert.
-        n: assignments in that order.
-        align: the groups' alignment in rows.
-
-    Returns:
-        Per row (``n + (align - 1) * E`` of them: the most padding takes, so no size is read from the device), the
-        position in the order of the assignment it computes (any valid one for a padding row); whether it computes
-        one; and the groups' ends (``int32`` offsets).
-    """
-    padded = (kept + align - 1) // align * align
-    ends = padded.cumsum(0)
-    row = torch.arange(n + (align - 1) * len(kept), device=kept.device)
-    group = torch.searchsorted(ends, row, right=True).clamp(max=len(kept) - 1)
-    within = row - (ends - padded)[group]
-    real = within < kept[group]
-    first = kept.cumsum(0) - kept
-    return (first[group] + within).clamp(0, n - 1), real, ends.to(torch.int32)
-
-
-def _grouped_linear(x: Tensor, linears: list[nn.Linear], expert: Tensor, offsets: Tensor, keep: Tensor) -> Tensor:
-    """``linears[expert[i]](x[i])`` for the kept rows (grouped by expert, ``offsets`` their ends); zero elsewhere.
-
-    Rows past the last offset are not computed: their outputs (and, in backward, their gradients) are whatever
-    memory held, so both ends are masked.
-    """
-    # Under autocast a linear layer computes in the autocast dtype; the grouped GEMM is cast the same way.
-    dtype = _gemm_dtype(x)
-    weight = _experts_tensor([lin.weight for lin in linears], dtype).transpose(1, 2)  # (E, in, out): x @ W.T
-    x = torch.where(keep[:, None], x, 0.0)
-    out = _grouped_mm(x.to(dtype), weight, offsets)
-    if linears[0].bias is not None:
-        out = out + _experts_tensor([lin.bias for lin in linears], out.dtype).index_select(0, expert)
-    return torch.where(keep[:, None], out, 0.0)
-
-
-def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    """``F.grouped_mm(a, b, offs=offs)``; under ``torch.compile`` outside bf16, as the opaque :func:`grouped_mm_op`.
-
-    Dynamo runs every op on fake tensors first, and torch's fake ``grouped_mm`` accepts bf16 only (its checks are
-    the CUDA kernel's), while the CPU kernel also runs fp32: traced in place, a compiled fp32 MoE layer fails. In bf16
-    the op stays visible to the compiler (which has kernels of its own for it on GPUs); eager calls are unchanged.
-    """
-    if torch.compiler.is_compiling() and not a.dtype == b.dtype == torch.bfloat16:
-        return grouped_mm_op(a, b, offs)
-    return F.grouped_mm(a, b, offs=offs)
-
-
-@torch.library.custom_op("dynmo::grouped_mm", mutates_args=())
-def grouped_mm_op(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    """``F.grouped_mm(a, b, offs=offs)`` as an op of its own, with a fake implementation for any dtype.
-
-    ``a`` is ``(M, K)`` with its rows grouped by ``offs`` (the groups' ends); ``b`` is ``(E, K, N)`` (one matrix a
-    group: ``(M, N)`` out), or ``(M, N)`` with ``offs`` grouping the contraction (the weights' gradient: ``(E, K, N)``
-    out, ``a`` then ``(K, M)``).
-    """
-    return F.grouped_mm(a, b, offs=offs)
-
-
-@grouped_mm_op.register_fake
-def _grouped_mm_shape(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    if b.dim() == 3:
-        return a.new_empty(a.shape[0], b.shape[-1])
-    return a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
-
-
-def _grouped_mm_save(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-def _grouped_mm_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-    # Per group g: out_g = a_g @ b_g, so grad a_g = grad_g @ b_g.T and grad b_g = a_g.T @ grad_g (offs then group the
-    # contraction). The kernel refuses broadcast gradients (zero strides): contiguous.
-    a, b, offs = ctx.saved_tensors
-    grad = grad.contiguous()
-    grad_a = grouped_mm_op(grad, b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
-    grad_b = grouped_mm_op(a.transpose(0, 1), grad, offs) if ctx.needs_input_grad[1] else None
-    return grad_a, grad_b, None
-
-
-grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_save)
-
-
-#: Each block's cast under autocast, by its first parameter: made once and shared by the calls of a step, as
-#: autocast caches a linear layer's cast weight (every micro-batch in flight would otherwise save a copy of all
-#: experts' weights). Held weakly: it lives while a graph saves it, not between steps.
-_CASTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _experts_tensor(params: list[Tensor], dtype: torch.dtype) -> Tensor:
-    """``torch.stack(params).to(dtype)``: a view of their block where they share one (:func:`_share_storage`).
-
-    A cast is made once while the parameters stay the same (same storage, place, version and ``requires_grad``):
-    each call of a training step gets the same one.
-    """
-    if torch.compiler.is_compiling():
-        return torch.stack(params).to(dtype)  # dynamo reads no storages: a compiled layer stacks, as before
-    if params[0].dtype == dtype or not torch.is_grad_enabled():
-        return _stacked(params).to(dtype)
-    storages = [p.untyped_storage() for p in params]
-    key = (dtype, tuple((p.storage_offset(), p._version, p.requires_grad) for p in params))
-    cached = _CASTS.get(params[0])
-    same = cached is not None and cached[0] == key and all(r() is s for r, s in zip(cached[1], storages, strict=True))
-    cast = cached[2]() if same else None
-    if cast is None:
-        cast = _stacked(params).to(dtype)
-        _CASTS[params[0]] = (key, [weakref.ref(s) for s in storages], weakref.ref(cast))
-    return cast
-
-
-def _stacked(params: list[Tensor]) -> Tensor:
-    """``torch.stack(params)``, as a view of their block where they share one (:func:`_share_storage`)."""
-    block = _block(params)
-    return torch.stack(params) if block is None else _BlockView.apply(block, *params)
-
-
-def _share_storage(params: list[Tensor]) -> None:
-    """Give ``params`` (of one shape, dtype and device) one block of memory, each its slice, values kept.
-
-    The parameters stay the same objects (optimizers, hooks and checkpoint keys see no change). Sharded parameters
-    (DTensors) are left alone: FSDP2 owns their storage.
-    """
-    first = params[0]
-    if any(isinstance(p, DTensor) for p in params) or _block(params) is not None:
-        return
-    if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device for p in params):
-        return  # experts pruned to different widths: they run one by one
-    block = torch.empty((len(params), *first.shape), dtype=first.dtype, device=first.device)
-    with torch.no_grad():
-        for p, view in zip(params, block, strict=True):
-            view.copy_(p)
-            p.data = view
-
-
-def _block(params: list[Tensor]) -> Tensor | None:
-    """The ``(len(params), ...)`` block ``params`` are consecutive slices of, or ``None``."""
-    first = params[0]
-    if isinstance(first, DTensor) or not first.is_contiguous():
-        return None
-    size = first.numel()
-    end = (first.storage_offset() + len(params) * size) * first.element_size()
-    if first.untyped_storage().nbytes() < end:
-        return None
-    block = first.detach().as_strided((len(params), *first.shape), (size, *first.stride()), first.storage_offset())
-    return block if all(p.is_set_to(view) for p, view in zip(params, block, strict=True)) else None
-
-
-class _BlockView(torch.autograd.Function):
-    """``torch.stack`` of tensors that are the slices of one block, without the copy: the block itself.
-
-    Backward hands each tensor its slice of the gradient.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, block: Tensor, *params: Tensor) -> Tensor:
-        return block
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return (None, *grad.unbind(0))
 
 
 def _regroup_after_load(module: nn.Module, incompatible_keys: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -10,9 +11,16 @@ import pytest
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.balance import BalancePolicy, PipelineShape, bytes_moved, imbalance, layer_owners
 from dynmo_lightning.balance.diffusion.driver import drive
-from dynmo_lightning.pipeline.migration import MigrationStats
-from dynmo_lightning.pipeline.neighbours import NeighbourStats
-from dynmo_lightning.protocol import PipelineControl
+from dynmo_lightning.pipeline.stage.migration import MigrationStats
+from dynmo_lightning.pipeline.stage.neighbours import NeighbourStats
+from dynmo_lightning.protocol import (
+    LayerEvents,
+    PipelineControl,
+    Rebalancing,
+    RunFacts,
+    layer_editing,
+    pipeline_control,
+)
 from dynmo_lightning.sim import simulate_run
 
 LAYER_BYTES = 4e7
@@ -184,8 +192,15 @@ def test_balancer_and_simulator_make_the_same_decisions(method, settings):
     assert len(got) >= 2  # the trace's events made the balancer move (the comparison is not vacuous)
 
 
-def test_strategy_implements_the_callback_contract():
-    assert isinstance(DynMoStrategy(), PipelineControl)
+def test_strategy_gives_every_role_of_the_callback_contract():
+    strategy = DynMoStrategy()
+    trainer = SimpleNamespace(strategy=strategy)
+    for role in (RunFacts, LayerEvents, Rebalancing, PipelineControl):
+        assert pipeline_control(trainer, role) is strategy.pipeline_control
+    assert not isinstance(strategy, RunFacts)  # the Lightning face is not a facade of the roles
+    assert layer_editing(trainer) is None  # before set-up there are no layers to edit
+    # a stand-in may be a role itself: the balancer's trace strategy is every role, a bare object none
+    assert pipeline_control(SimpleNamespace(strategy=object()), RunFacts) is None
 
 
 def test_one_shot_methods_plan_once_and_profile_no_more():

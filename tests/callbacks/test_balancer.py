@@ -10,8 +10,8 @@ from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.balance import InfeasibleMemoryError, bottleneck, partition
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.models import GPT
-from dynmo_lightning.pipeline.launcher import layer_param_bytes, meta_layers
-from dynmo_lightning.pipeline.sharded import load_whole
+from dynmo_lightning.pipeline.checkpoint.sharded import load_whole
+from dynmo_lightning.strategy.checks import layer_param_bytes, meta_layers
 
 # a warm-up LR schedule runs too: migrations must leave the scheduler (bound to the same optimizer) intact
 STEPS = ["trainer.max_steps=30", "model.warmup_steps=10"]

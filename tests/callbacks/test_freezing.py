@@ -22,11 +22,11 @@ class ProfileLast(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
-            trainer.strategy.request_profile()
+            trainer.strategy.pipeline_control.request_profile()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step - 1 == self.step:
-            self.costs = trainer.strategy.profile_results()
+            self.costs = trainer.strategy.pipeline_control.profile_results()
 
 
 def _trainer(max_steps: int, callbacks: list, **kw) -> L.Trainer:

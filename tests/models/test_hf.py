@@ -32,7 +32,7 @@ from dynmo_lightning.callbacks import (
 )
 from dynmo_lightning.cli import CONF_DIR, export
 from dynmo_lightning.models.hf import from_hf, save_hf, shift_labels, to_hf_keys
-from dynmo_lightning.pipeline.sharded import load_whole
+from dynmo_lightning.pipeline.checkpoint.sharded import load_whole
 
 SCRIPT = SUPPORT / "_hf_script.py"
 FAMILIES = ["llama", "gpt2"]
@@ -109,8 +109,8 @@ def test_from_hf_refuses_what_it_cannot_split():
 # ---------------------------------------------------------------------------------------------------------------------
 def _stage(module, rank: int, layers_per_stage: tuple[int, ...]):
     """Split ``module`` as DynMoStrategy does on pipeline ``rank`` (layers made in its meta-device context)."""
-    from dynmo_lightning.pipeline.runtime import StagePlan
-    from dynmo_lightning.pipeline.split import pipeline_layers, split_module
+    from dynmo_lightning.pipeline.stage.cut import pipeline_layers, split_module
+    from dynmo_lightning.pipeline.stage.runtime import StagePlan
 
     with torch.device("meta"):  # what DynMoStrategy.model_sharded_context gives configure_model
         module.configure_model()

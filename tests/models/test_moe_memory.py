@@ -17,6 +17,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dynmo_lightning.models import moe as moe_module
+from dynmo_lightning.models import moe_storage
 from dynmo_lightning.models.moe import MoEMLP, group_alignment
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,7 +58,7 @@ def _matrices(moe: MoEMLP) -> list[list[torch.Tensor]]:
 
 
 def _in_blocks(moe: MoEMLP) -> bool:
-    return all(moe_module._block(params) is not None for params in _matrices(moe))
+    return all(moe_storage._block(params) is not None for params in _matrices(moe))
 
 
 def test_forward_and_backward_in_float32_copy_no_expert_weights():

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from dynmo_lightning.pipeline.groups import open_store
+from dynmo_lightning.pipeline.elastic.survivors import open_store
 
 
 @pytest.fixture

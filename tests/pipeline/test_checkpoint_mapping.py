@@ -9,8 +9,8 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from dynmo_lightning.bench.allocations import ResidentPeak
-from dynmo_lightning.pipeline.checkpoint import AtomicCheckpointIO
-from dynmo_lightning.pipeline.safe_load import CheckpointRefused
+from dynmo_lightning.pipeline.checkpoint.safe_load import CheckpointRefused
+from dynmo_lightning.pipeline.checkpoint.single_file import AtomicCheckpointIO
 
 MIB = 2**20
 

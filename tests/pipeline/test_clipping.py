@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dynmo_lightning.callbacks.syncs import counting_dispatch
-from dynmo_lightning.pipeline.reduce import GlobalNormClipping
+from dynmo_lightning.pipeline.stage.reduce import GlobalNormClipping
+from dynmo_lightning.pipeline.topology.world import FixedWorld
 
 
 def test_clipping_is_bit_identical_to_torch_and_uses_one_tensor_all_reduce(one_process_world, monkeypatch):
@@ -26,7 +27,7 @@ def test_clipping_is_bit_identical_to_torch_and_uses_one_tensor_all_reduce(one_p
     head, tail = list(model.parameters())[:2], list(model.parameters())[2:]
     optimizer = torch.optim.SGD([{"params": head}, {"params": tail, "lr": 0.5}], lr=0.1)
     names = dict(model.named_parameters())
-    clip = GlobalNormClipping(list(names), lambda: {id(p): n for n, p in names.items()}, lambda: _pipe())
+    clip = GlobalNormClipping(list(names), lambda: {id(p): n for n, p in names.items()}, FixedWorld(pipeline=_pipe()))
     calls = []
     reduce = dist.all_reduce
     monkeypatch.setattr(dist, "all_gather_object", lambda *a, **k: pytest.fail("no pickled gather per step"))
@@ -50,7 +51,7 @@ def _model_and_clip(device: str = "cpu"):
     clip = GlobalNormClipping(
         list(names),
         lambda: {id(p): n for n, p in names.items()},
-        lambda: _pipe(device),
+        FixedWorld(pipeline=_pipe(device)),
     )
     return model, clip
 
@@ -103,7 +104,7 @@ def test_clipping_keeps_every_tensor_on_the_gradients_device(monkeypatch):
         for p in params.values():
             p.grad = torch.empty_like(p)
         ids = {id(p): n for n, p in params.items()}
-        clip = GlobalNormClipping(list(params), lambda: ids, lambda: _pipe("cuda"))
+        clip = GlobalNormClipping(list(params), lambda: ids, FixedWorld(pipeline=_pipe("cuda")))
         clip(torch.optim.SGD(params.values(), lr=0.1), 0.5)
         assert all(p.grad.device.type == "cuda" for p in params.values())
 
@@ -113,7 +114,7 @@ def test_the_precision_wrapper_hands_every_hook_to_the_trainers_plugin_but_clipp
     # base implementation calls this class's clip_grad_by_norm).
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-    from dynmo_lightning.pipeline.precision import DELEGATED, PipelinePrecision
+    from dynmo_lightning.strategy.precision import DELEGATED, PipelinePrecision
 
     hooks = {n for k in Precision.__mro__[:-1] for n, v in vars(k).items() if callable(v) and not n.startswith("_")}
     assert hooks - set(DELEGATED) - set(vars(PipelinePrecision)) == {"clip_gradients"}

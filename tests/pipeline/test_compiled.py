@@ -35,7 +35,7 @@ from dynmo_lightning.core.context import stage_forward
 from dynmo_lightning.core.host_values import set_host_value
 from dynmo_lightning.models.blocks import Block
 from dynmo_lightning.models.moe import MoEMLP
-from dynmo_lightning.pipeline.compiled import check_options, compile_layer
+from dynmo_lightning.pipeline.parallel.compiled import check_options, compile_layer
 
 STEPS = ["trainer.max_steps=20", "trainer.val_check_interval=null", "trainer.limit_val_batches=0"]
 #: A first compile takes minutes on a loaded CPU while the next rank waits in its first receive: a longer timeout.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from dynmo_lightning import DynMoStrategy
-from dynmo_lightning.pipeline.compiled import check_options
+from dynmo_lightning.pipeline.parallel.compiled import check_options
 
 
 @pytest.mark.parametrize(

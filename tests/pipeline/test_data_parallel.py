@@ -25,8 +25,8 @@ from support.helpers import (
 
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.launch import clean_env
-from dynmo_lightning.pipeline.groups import open_store
-from dynmo_lightning.pipeline.layout import ReplicaLayout
+from dynmo_lightning.pipeline.elastic.survivors import open_store
+from dynmo_lightning.pipeline.topology.ranks import ReplicaLayout
 
 STEPS = ["trainer.max_steps=12"]
 # Blocks 0-3 and the embedding freeze at step 3 (FREEZE); the repack at step 5 then packs 4 stages onto 2.

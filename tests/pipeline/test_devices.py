@@ -18,11 +18,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dynmo_lightning import DynMoStrategy
-from dynmo_lightning.pipeline import checkpoint, groups, transport
-from dynmo_lightning.pipeline.layers import LayerSlots
-from dynmo_lightning.pipeline.layout import PipelineGroup, ReplicaLayout, group_device, make_mesh
-from dynmo_lightning.pipeline.migration import _recv_layers, _send_layers
-from dynmo_lightning.pipeline.runtime import PipelineRuntime, StagePlan
+from dynmo_lightning.pipeline.checkpoint import single_file as checkpoint
+from dynmo_lightning.pipeline.elastic import survivors as groups
+from dynmo_lightning.pipeline.stage.migration import _recv_layers, _send_layers
+from dynmo_lightning.pipeline.stage.runtime import PipelineRuntime, StagePlan
+from dynmo_lightning.pipeline.stage.slots import LayerSlots
+from dynmo_lightning.pipeline.topology import transport
+from dynmo_lightning.pipeline.topology.mesh import PipelineGroup, group_device, make_mesh
+from dynmo_lightning.pipeline.topology.ranks import ReplicaLayout
 from dynmo_lightning.profiling import DeviceClock
 
 pytestmark = pytest.mark.timeout(60)
@@ -345,6 +348,6 @@ def test_device_time_is_read_from_events_and_waits_only_when_read(monkeypatch):
 def test_schedule_seconds_times_the_schedule_on_the_host_clock_on_cpu():
     clock = DeviceClock(CPU)
     strategy = DynMoStrategy()
-    assert strategy.schedule_seconds == 0.0
-    strategy._schedule_span = (clock, 1.0, 3.5)
-    assert strategy.schedule_seconds == 2.5
+    assert strategy.pipeline_control.schedule_seconds == 0.0
+    strategy.pipeline_control.schedule_span = (clock, 1.0, 3.5)
+    assert strategy.pipeline_control.schedule_seconds == 2.5

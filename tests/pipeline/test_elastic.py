@@ -17,8 +17,8 @@ from support.fake_slurm import calls, env_with, install
 from support.helpers import FREEZE, REPACK, TINY, assert_close_losses, assert_close_params, launch
 
 from dynmo_lightning.launch import clean_env
-from dynmo_lightning.pipeline.groups import open_store
-from dynmo_lightning.pipeline.sharded import load_whole
+from dynmo_lightning.pipeline.checkpoint.sharded import load_whole
+from dynmo_lightning.pipeline.elastic.survivors import open_store
 
 SCRIPT = str(SUPPORT / "_elastic_train.py")
 STEPS = ["trainer.max_steps=20"]

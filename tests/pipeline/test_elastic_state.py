@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dynmo_lightning.pipeline import elastic
+from dynmo_lightning.pipeline.elastic import members as elastic
 
 
 class _Loop:

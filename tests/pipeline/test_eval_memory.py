@@ -12,8 +12,8 @@ import torch
 from torchmetrics.text import Perplexity
 
 from dynmo_lightning.models import GPT
-from dynmo_lightning.pipeline.evaluation import PipelineEvaluation
-from dynmo_lightning.pipeline.stages import LocalStages
+from dynmo_lightning.pipeline.stage.evaluation import PipelineEvaluation
+from dynmo_lightning.pipeline.stage.local import LocalStages
 from tests.support.memory import PeakBytes
 from tests.support.stages import one_process_stages
 
@@ -35,13 +35,13 @@ class _Logs(torch.nn.Module):
 
 
 def _evaluate(stages: LocalStages, x: torch.Tensor, y: torch.Tensor) -> tuple[PeakBytes, _Logs, torch.Tensor]:
-    evaluation = PipelineEvaluation(lambda: stages.pipe, lambda: True, lambda: 0)
+    evaluation = PipelineEvaluation()
     logs = _Logs()
     if hasattr(stages.module, "pipeline_eval_step"):  # the strategy hands the evaluation the same module
         logs.pipeline_eval_step = stages.module.pipeline_eval_step
     with torch.no_grad(), PeakBytes() as memory:
         loss, result = stages.evaluate(x, y)
-        evaluation.log(logs, "val", loss, result.output, y, BATCH)
+        evaluation.log(logs, "val", loss, result.output, y, BATCH, stages.runtime)
         del result
     return memory, logs, loss
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from support.helpers import assert_close_losses, assert_close_params, launch
 
-from dynmo_lightning.pipeline.sharded import load_whole
+from dynmo_lightning.pipeline.checkpoint.sharded import load_whole
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -28,8 +28,9 @@ from torch import nn
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.callbacks import HostSyncCounter, RunSummary
 from dynmo_lightning.callbacks.syncs import counting_dispatch
-from dynmo_lightning.pipeline.precision import PipelinePrecision
-from dynmo_lightning.pipeline.reduce import GlobalNormClipping
+from dynmo_lightning.pipeline.stage.reduce import GlobalNormClipping
+from dynmo_lightning.pipeline.topology.world import FixedWorld
+from dynmo_lightning.strategy.precision import PipelinePrecision
 
 SCRIPT = SUPPORT / "_sgd_script.py"
 #: P = 2 x D = 2 (a replica's batch of 8: the global batch of 16 of the reference) and P = 2 x T = 2, in one launch.
@@ -126,7 +127,7 @@ def test_these_runs_see_a_wrong_gradient_scale(factor):
 def _clipping(model: nn.Module) -> GlobalNormClipping:
     names = dict(model.named_parameters())
     pipe = SimpleNamespace(group=None, control=None, device=torch.device("cpu"))  # one process: the default group
-    return GlobalNormClipping(list(names), lambda: {id(p): n for n, p in names.items()}, lambda: pipe)
+    return GlobalNormClipping(list(names), lambda: {id(p): n for n, p in names.items()}, FixedWorld(pipeline=pipe))
 
 
 def test_the_clipping_keeps_the_norm_torch_returns(one_process_world):

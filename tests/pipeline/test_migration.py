@@ -9,8 +9,8 @@ import pytest
 from support import SUPPORT
 from support.helpers import launch_script
 
-from dynmo_lightning.pipeline.migration import Move, plan_moves
-from dynmo_lightning.pipeline.runtime import StagePlan
+from dynmo_lightning.pipeline.stage.migration import Move, plan_moves
+from dynmo_lightning.pipeline.stage.runtime import StagePlan
 
 pytestmark = pytest.mark.timeout(300)
 

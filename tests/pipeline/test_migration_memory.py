@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from dynmo_lightning.pipeline.transport import COALESCE_BELOW
+from dynmo_lightning.pipeline.topology.transport import COALESCE_BELOW
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 MODES = ("fsdp", "replicate", "tp")

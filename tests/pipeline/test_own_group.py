@@ -1,5 +1,5 @@
 """A group of one process on its device's backend: FSDP2 over one replica, and the ``"dp"`` dimension of the public
-device mesh with one replica (a user's ``fully_shard(mesh=strategy.device_mesh["dp"])``, Lightning's
+device mesh with one replica (a user's ``fully_shard(mesh=strategy.pipeline_control.device_mesh["dp"])``, Lightning's
 ``ModelParallelStrategy`` convention), NCCL on CUDA devices.
 
 No GPU here: the default group's backend and its device binding are stand-ins, and ``new_group`` / ``split_group``
@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dynmo_lightning.pipeline.layout import ReplicaLayout, make_mesh, own_group, own_group_needs_all
+from dynmo_lightning.pipeline.topology.mesh import make_mesh, own_group, own_group_needs_all
+from dynmo_lightning.pipeline.topology.ranks import ReplicaLayout
 
 pytestmark = pytest.mark.timeout(60)
 

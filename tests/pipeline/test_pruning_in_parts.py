@@ -1,10 +1,10 @@
 """Structured pruning of layers held in parts (FSDP2, replicate, tensor parallelism), exact against one pipeline.
 
 A pruned layer held in parts is gathered whole with its optimizer state, pruned, and made parts again
-(``pipeline/reshape.py``). P = 2 x D = 2 (``fsdp``, ``replicate``) and P = 2 x T = 2 on 4 gloo processes against P = 2
-of the same global batch (fp32, relative <= 1e-5 per step and on the final parameters), global structured pruning
-every 5 steps from step 5 with layers moving to a random split every 5 steps: the same units go everywhere (in
-multiples of 2, which T = 2 needs and the reference is told), the same shapes, the same math.
+(``pipeline/stage/reshape.py``). P = 2 x D = 2 (``fsdp``, ``replicate``) and P = 2 x T = 2 on 4 gloo processes against P
+= 2 of the same global batch (fp32, relative <= 1e-5 per step and on the final parameters), global structured pruning
+every 5 steps from step 5 with layers moving to a random split every 5 steps: the same units go everywhere (in multiples
+of 2, which T = 2 needs and the reference is told), the same shapes, the same math.
 """
 
 from __future__ import annotations

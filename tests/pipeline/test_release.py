@@ -11,8 +11,7 @@ import pytest
 from support.fake_slurm import calls, env_with, install
 
 from dynmo_lightning import DynMoBalancer
-from dynmo_lightning.pipeline.groups import world_view
-from dynmo_lightning.pipeline.release import (
+from dynmo_lightning.pipeline.elastic.release import (
     CommandRelease,
     NoRelease,
     ReleaseEvent,
@@ -23,6 +22,7 @@ from dynmo_lightning.pipeline.release import (
     notify,
     parse_resize_script,
 )
+from dynmo_lightning.pipeline.elastic.survivors import world_view
 
 #: Four ranks on two nodes, released 2 and 3: node "b" is free.
 HOSTS = [(0, "a"), (0, "a"), (1, "b"), (1, "b")]

@@ -1,5 +1,6 @@
-"""``pipeline/reshape.py`` in one process: a layer held in parts (an FSDP2 unit over a group of one) stripped whole,
-pruned with its AdamW state, and made a unit again; and a parameter two submodules share stays shared through it."""
+"""``pipeline/stage/reshape.py`` in one process: a layer held in parts (an FSDP2 unit over a group of one) stripped
+whole, pruned with its AdamW state, and made a unit again; and a parameter two submodules share stays shared through
+it."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dynmo_lightning.models.blocks import MLP
-from dynmo_lightning.pipeline.layers import LayerSlots
-from dynmo_lightning.pipeline.reshape import reshape, whole
-from dynmo_lightning.pipeline.split import apply_in_parts
+from dynmo_lightning.pipeline.stage.cut import apply_in_parts
+from dynmo_lightning.pipeline.stage.reshape import reshape, whole
+from dynmo_lightning.pipeline.stage.slots import LayerSlots
 from dynmo_lightning.protocol import local_part
 
 pytestmark = pytest.mark.timeout(120)

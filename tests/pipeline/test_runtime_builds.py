@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from dynmo_lightning.pipeline.layers import LayerSlots
-from dynmo_lightning.pipeline.layout import PipelineGroup
-from dynmo_lightning.pipeline.runtime import PipelineRuntime, StagePlan
+from dynmo_lightning.pipeline.stage.runtime import PipelineRuntime, StagePlan
+from dynmo_lightning.pipeline.stage.slots import LayerSlots
+from dynmo_lightning.pipeline.topology.mesh import PipelineGroup
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,7 +51,7 @@ def test_a_missing_input_gradient_a_stage_waits_for_is_sent_as_zeros():
     """torch 2.11 refuses a ``None`` input gradient the previous stage waits for (2.13 skips it on both ends)."""
     from types import SimpleNamespace
 
-    from dynmo_lightning.pipeline.runtime import zero_missing_grads
+    from dynmo_lightning.pipeline.stage.torch_stage import zero_missing_grads
 
     received = [SimpleNamespace(buffer=torch.ones(2, 3)), SimpleNamespace(buffer=torch.ones(4))]
     grads = zero_missing_grads((None, torch.full((4,), 2.0)), [0, 0], received)

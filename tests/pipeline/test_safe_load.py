@@ -20,7 +20,7 @@ from support.helpers import launch
 
 from dynmo_lightning import DynMoStrategy
 from dynmo_lightning.launch import clean_env
-from dynmo_lightning.pipeline import safe_load, sharded
+from dynmo_lightning.pipeline.checkpoint import safe_load, sharded
 
 
 class Payload:

@@ -34,8 +34,8 @@ from support.helpers import (
 )
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
-from dynmo_lightning.pipeline.launcher import check_units
 from dynmo_lightning.protocol import JobShape
+from dynmo_lightning.strategy.checks import check_units
 
 # 16 experts in every block, dropless, no load-balancing loss, computed expert by expert: experts one replica's
 # tokens never reached get no gradient there while the other replica's do (see test_data_parallel's MOE).

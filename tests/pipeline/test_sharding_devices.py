@@ -27,7 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dynmo_lightning.models import GPT
-from dynmo_lightning.pipeline.sharding import StageSharding, is_unit, local
+from dynmo_lightning.pipeline.parallel.data_parallel import StageSharding, is_unit, local
+from dynmo_lightning.pipeline.topology.world import FixedWorld
 from dynmo_lightning.protocol import run_layers
 
 GPU0 = torch.device("cuda", 0)
@@ -115,7 +116,7 @@ def _materialise(model: GPT, sharding: StageSharding) -> list[nn.Module]:
 # (it asks the real CUDA runtime); tests/models/test_moe_memory.py covers its CUDA padding.
 def test_fsdp_stages_run_a_forward_on_cuda_in_bf16(fake_cuda_world):
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-        sharding = StageSharding("fsdp", lambda: fake_cuda_world, GPU0, torch.bfloat16)
+        sharding = StageSharding("fsdp", FixedWorld(fake_cuda_world), GPU0, torch.bfloat16)
         model = _gpt()
         layers = _materialise(model, sharding)
         stage = sharding.wrap(_Stage(layers), None)
@@ -142,7 +143,7 @@ def test_a_cpu_tensor_inside_a_sharded_layer_is_caught(fake_cuda_world):
             return self.lin(x) + torch.ones(8)  # on the CPU: the bug this file exists to find
 
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-        sharding = StageSharding("fsdp", lambda: fake_cuda_world, GPU0, None)
+        sharding = StageSharding("fsdp", FixedWorld(fake_cuda_world), GPU0, None)
         with torch.device("meta"):
             layer = Mixes()
         sharding.shard_layers([layer])

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dynmo_lightning import PipelineModule, profiling
-from dynmo_lightning.pipeline import stages as stages_module
-from dynmo_lightning.pipeline.runtime import StagePlan
+from dynmo_lightning.pipeline.stage import local as stages_module
+from dynmo_lightning.pipeline.stage.runtime import StagePlan
 from dynmo_lightning.profiling import release_cached_memory
 from tests.support.memory import PeakBytes
 from tests.support.stages import one_process_stages

@@ -40,11 +40,11 @@ from torch import nn
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.models.blocks import Block
-from dynmo_lightning.pipeline.launcher import check_tensor_parallel, check_world
-from dynmo_lightning.pipeline.layout import ReplicaLayout
-from dynmo_lightning.pipeline.sharded import load_whole
-from dynmo_lightning.pipeline.tensor_parallel import builtin_plan
+from dynmo_lightning.pipeline.checkpoint.sharded import load_whole
+from dynmo_lightning.pipeline.parallel.tensor_parallel import builtin_plan
+from dynmo_lightning.pipeline.topology.ranks import ReplicaLayout
 from dynmo_lightning.protocol import JobShape
+from dynmo_lightning.strategy.checks import check_tensor_parallel, check_world
 
 TP2 = ["strategy.tensor_parallel_size=2"]
 

@@ -11,7 +11,7 @@ import torch
 from support.helpers import assert_close_losses, assert_close_model, launch
 
 from dynmo_lightning.models import GPT
-from dynmo_lightning.pipeline.ties import TieError, find_ties
+from dynmo_lightning.pipeline.stage.ties import TieError, find_ties
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

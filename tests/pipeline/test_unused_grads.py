@@ -20,8 +20,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dynmo_lightning.core.parts import fsdp_param_groups
-from dynmo_lightning.pipeline import sharding
-from dynmo_lightning.pipeline.sharding import StageSharding
+from dynmo_lightning.pipeline.parallel import data_parallel as sharding
+from dynmo_lightning.pipeline.parallel.data_parallel import StageSharding
+from dynmo_lightning.pipeline.topology.world import FixedWorld
 
 
 @pytest.mark.parametrize(
@@ -53,7 +54,7 @@ class _Unit(nn.Module):
 def test_a_lone_grad_joins_the_accumulated_ones_on_a_torch_2_11_state(one_process_world, monkeypatch):
     """FSDP2 with gradient sync off (as a pipeline stage runs it), then a `.grad` after its last post-backward."""
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    shard = StageSharding("fsdp", lambda: mesh, torch.device("cpu"), torch.bfloat16)
+    shard = StageSharding("fsdp", FixedWorld(mesh), torch.device("cpu"), torch.bfloat16)
     unit = _Unit()
     shard.shard_layers([unit])
     root = shard.wrap(nn.Sequential(unit), None)

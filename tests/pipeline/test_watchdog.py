@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-from dynmo_lightning.pipeline.watchdog import Heartbeats
+from dynmo_lightning.pipeline.topology.heartbeats import Heartbeats
 
 
 def test_heartbeats_name_phases_only_inside_a_world():

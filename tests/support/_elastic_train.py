@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import dynmo_lightning.cli as cli
-from dynmo_lightning.pipeline.release import node_name
+from dynmo_lightning.pipeline.elastic.release import node_name
 from support import injected_costs
 
 ENV = (

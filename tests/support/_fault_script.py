@@ -26,8 +26,7 @@ def stall() -> None:
 
 
 if mode == "step" and rank == 2:
-    from dynmo_lightning.pipeline import layers
-
+    from dynmo_lightning.pipeline.stage import slots as layers
     forward, calls = layers.StageModule.forward, [0]
 
     def stalling_forward(self, *args):
@@ -40,8 +39,8 @@ if mode == "step" and rank == 2:
 elif mode == "migration" and rank == 2:
     import types
 
-    from dynmo_lightning.pipeline import migration, transport
-
+    from dynmo_lightning.pipeline.stage import migration
+    from dynmo_lightning.pipeline.topology import transport
     # Migration's tensors stall (after their header went); the shape probe's, through the same room, do not.
     stalling = types.SimpleNamespace(**vars(transport))
     stalling.send_tensors = stalling.recv_tensors = lambda *a, **k: stall()

@@ -67,22 +67,22 @@ class Measure(L.Callback):
         if trainer.global_step != 3:
             return
         strategy, opt = trainer.strategy, trainer.strategy.optimizers[0]
-        before_layers = set(strategy._stages.slots.local_indices())
+        before_layers = set(strategy.pipeline_control.local.slots.local_indices())
         gc.collect()
         counter = PeakBytes()
         with counter:
             counter.track(held(pl_module, opt))
             before = counter.live
-            strategy.repartition([1, 4, 1])
+            strategy.pipeline_control.repartition([1, 4, 1])
             gc.collect()
             after = counter.live
-        slots = strategy._stages.slots
+        slots = strategy.pipeline_control.local.slots
         arrived = [slots.get(i) for i in slots.local_indices() if i not in before_layers]
         params = [p for layer in arrived for p in layer.parameters()]
         state = [v for p in params for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
         result = {"before": before, "peak": counter.peak, "after": after, "arrived_layers": len(arrived),
                   "arrived_bytes": _bytes([*params, *state]), "held_after": _bytes(held(pl_module, opt)),
-                  "pp_rank": strategy.pp_rank}  # fmt: skip
+                  "pp_rank": strategy.pipeline_control.pp_rank}  # fmt: skip
         with open(f"{self.out}.rank{strategy.global_rank}.json", "w") as f:
             json.dump(result, f)
 

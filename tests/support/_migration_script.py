@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, TensorDataset
 
 from dynmo_lightning import DynMoStrategy, PipelineModule
-from dynmo_lightning.pipeline import transport
+from dynmo_lightning.pipeline.topology import transport
 from dynmo_lightning.profiling import static_memory
 
 WIDTH = 128  # a 128 x 128 fp32 weight (and its Adam moments) is just large enough to travel as a message of its own
@@ -61,17 +61,17 @@ def _optimizer_summary(strategy, opt) -> dict:
     """Per local layer: {param name: (sum of exp_avg, group index)} of its optimized parameters."""
     group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
     summary = {}
-    for i in strategy._stages.slots.local_indices():
+    for i in strategy.pipeline_control.local.slots.local_indices():
         summary[i] = {
             n: (float(opt.state[p]["exp_avg"].sum()), group_of[id(p)])
-            for n, p in strategy._stages.slots.get(i).named_parameters()
+            for n, p in strategy.pipeline_control.local.slots.get(i).named_parameters()
             if id(p) in group_of
         }
     return summary
 
 
 def _param_refs(strategy, layers) -> list:
-    return [weakref.ref(p) for i in layers for p in strategy._stages.slots.get(i).parameters()]
+    return [weakref.ref(p) for i in layers for p in strategy.pipeline_control.local.slots.get(i).parameters()]
 
 
 class Allocations(TorchDispatchMode):
@@ -111,7 +111,7 @@ def _measured_migration(strategy, outgoing: list) -> tuple:
     transport.all_agree, transport.send_header, transport.recv_header = commit, paused(send), paused(recv)
     try:
         with counter:
-            stats = strategy.repartition([1, 3])
+            stats = strategy.pipeline_control.repartition([1, 3])
     finally:
         transport.all_agree, transport.send_header, transport.recv_header = agree, send, recv
     return stats, at_commit
@@ -140,14 +140,16 @@ class Migrate(L.Callback):
         gathered = [None, None]
         dist.all_gather_object(gathered, _optimizer_summary(strategy, opt))
         refs = _param_refs(strategy, (1, 2)) if rank == 0 else []
-        outgoing = [p for i in (1, 2) for p in strategy._stages.slots.get(i).parameters()] if rank == 0 else []
+        outgoing = (
+            [p for i in (1, 2) for p in strategy.pipeline_control.local.slots.get(i).parameters()] if rank == 0 else []
+        )
         grads_before = [p.grad is not None for p in outgoing]
         if rank == 0:
-            sent = _payload_bytes([strategy._stages.slots.get(i) for i in (1, 2)], opt)
+            sent = _payload_bytes([strategy.pipeline_control.local.slots.get(i) for i in (1, 2)], opt)
         stats, at_commit = _measured_migration(strategy, outgoing)
         del outgoing
         gc.collect()
-        local = strategy._stages.slots.local_indices()
+        local = strategy.pipeline_control.local.slots.local_indices()
         result = {"rank": rank, "moves": [m.layers for m in stats.moves], "local": local}
         result["allocated"] = at_commit["bytes"]
         result["setup_s"], result["seconds"] = stats.setup_seconds, stats.seconds
@@ -160,7 +162,7 @@ class Migrate(L.Callback):
         else:
             checks = {}
             for i in (1, 2):
-                layer = strategy._stages.slots.get(i)
+                layer = strategy.pipeline_control.local.slots.get(i)
                 assert isinstance(layer, Tagged) and layer.note == {"threshold": 0.25, "hits": [1, 2, 3]}
                 assert torch.equal(layer.mask, torch.arange(WIDTH, dtype=torch.float32))
                 assert layer.bias.requires_grad is False and layer.weight.requires_grad is True
@@ -175,7 +177,9 @@ class Migrate(L.Callback):
                     assert int(opt.state[p]["step"]) == 3
                     checks[f"{i}.{n}"] = group
             result["checks"] = checks
-            result["payload"], result["small"] = _payload_bytes([strategy._stages.slots.get(i) for i in (1, 2)], opt)
+            result["payload"], result["small"] = _payload_bytes(
+                [strategy.pipeline_control.local.slots.get(i) for i in (1, 2)], opt
+            )
         with open(f"{self.out}.rank{rank}.json", "w") as f:
             json.dump(result, f)
 
@@ -196,7 +200,7 @@ def main() -> None:
         callbacks=[Migrate(out)],
     )
     trainer.fit(Net(), DataLoader(TensorDataset(x, y), batch_size=8))
-    assert trainer.strategy.layers_per_stage == [1, 3]
+    assert trainer.strategy.pipeline_control.layers_per_stage == [1, 3]
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ class Squeeze(L.Callback):
         self.balancer, self.out, self.ways = balancer, out, []
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        self.ways.append(trainer.strategy.fsdp_memory_in_force)
+        self.ways.append(trainer.strategy.pipeline_control.fsdp_memory_in_force)
         policy, step = self.balancer.policy, trainer.global_step
         if step == 2:
             assert policy.tracker is not None and policy.tracker.samples, "the balancer measured nothing yet"
@@ -59,7 +59,7 @@ class Squeeze(L.Callback):
 
 def _least_peak(layers: list[Any], strategy: Any) -> float:
     """The least, over the splits into two stages, of the highest rank's predicted peak."""
-    model = MemoryModel(layers, strategy.schedule, strategy.pp_size, strategy.n_microbatches)
+    model = MemoryModel(layers, strategy.schedule, strategy.pipeline_control.pp_size, strategy.n_microbatches)
     return min(max(model.peaks([k, len(layers) - k])) for k in range(1, len(layers)))
 
 

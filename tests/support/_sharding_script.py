@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dynmo_lightning import DynMoStrategy, PipelineModule
 from dynmo_lightning.bench.allocations import storages
-from dynmo_lightning.pipeline import transport
+from dynmo_lightning.pipeline.topology import transport
 from dynmo_lightning.protocol import local_part
 
 WIDTH = 256
@@ -98,8 +98,8 @@ class Measure(L.Callback):
         strategy = trainer.strategy
         opt = strategy.optimizers[0]
         whole = 0
-        if strategy.pp_rank == 0:  # layer 2 leaves pipeline rank 0: its whole size (global shapes)
-            params = list(strategy._stages.slots.get(2).parameters())
+        if strategy.pipeline_control.pp_rank == 0:  # layer 2 leaves pipeline rank 0: its whole size (global shapes)
+            params = list(strategy.pipeline_control.local.slots.get(2).parameters())
             state = [v for p in params for v in opt.state[p].values() if v.dim() > 0]
             whole = sum(t.numel() * t.element_size() for t in (*params, *state))
         counter, agree = Allocations(), transport.all_agree
@@ -112,7 +112,7 @@ class Measure(L.Callback):
         transport.all_agree = commit
         try:
             with counter:
-                strategy.repartition([2, 3])
+                strategy.pipeline_control.repartition([2, 3])
         finally:
             transport.all_agree = agree
         moved = [0] * dist.get_world_size()

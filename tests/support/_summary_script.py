@@ -83,9 +83,9 @@ class Probe(L.Callback):
         if trainer.global_step == 2:
             moved = CASES[self.case][1]
             if self.case == "shrink":
-                trainer.strategy.shrink([0, 1], moved)  # ranks 2 and 3 exit (status 0)
+                trainer.strategy.pipeline_control.shrink([0, 1], moved)  # ranks 2 and 3 exit (status 0)
             else:
-                trainer.strategy.repartition(moved)
+                trainer.strategy.pipeline_control.repartition(moved)
 
     def on_train_end(self, trainer, pl_module):
         self.result["after"] = _summary(trainer, pl_module)

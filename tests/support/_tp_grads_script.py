@@ -31,7 +31,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 from dynmo_lightning.callbacks.syncs import counting_dispatch
 from dynmo_lightning.core.parts import local_part
-from dynmo_lightning.pipeline.tensor_parallel import TensorParallel, average_replicated_grads
+from dynmo_lightning.pipeline.parallel.tensor_parallel import TensorParallel, average_replicated_grads
+from dynmo_lightning.pipeline.topology.world import FixedWorld
 
 
 class Experts(nn.Module):
@@ -89,7 +90,7 @@ def run(case: str, rank: int) -> dict:
     before = grads(local)
     peer: list = [None, None]
     dist.all_gather_object(peer, before)
-    tp = TensorParallel(nn.Module(), lambda: tp_mesh)
+    tp = TensorParallel(nn.Module(), FixedWorld(tp_mesh=tp_mesh))
     average_replicated_grads(local, tp)
     after = grads(local)
     # a second call where every parameter this process trains has a gradient: no host read

@@ -31,8 +31,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import ScheduleGPipe
 
 from dynmo_lightning.core.parts import fsdp_param_groups
-from dynmo_lightning.pipeline.runtime import _Stage
-from dynmo_lightning.pipeline.sharding import StageSharding, _state
+from dynmo_lightning.pipeline.parallel.data_parallel import StageSharding, _state
+from dynmo_lightning.pipeline.stage.torch_stage import _Stage
+from dynmo_lightning.pipeline.topology.world import FixedWorld
 
 WIDTH, N_MICRO, ROWS = 16, 2, 8
 
@@ -118,14 +119,15 @@ class LateStage(_Stage):
 def run(mode: str, case: str, rank: int) -> dict:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     cpu = torch.device("cpu")
-    sharding = StageSharding(mode, lambda: mesh, cpu, torch.bfloat16)
+    sharding = StageSharding(mode, FixedWorld(mesh), cpu, torch.bfloat16)
     local = layers()
     sharding.shard_layers(local)
     module = sharding.wrap(nn.Sequential(*local), None)
     own = dist.new_group([rank], backend="gloo", use_local_synchronization=True)
     profiler = types.SimpleNamespace()  # only a split backward's weight pass asks it for a timer
     cls = LateStage if case == "late" and rank == 0 else _Stage
-    stage = cls(profiler, lambda: dist.group.WORLD, sharding, module, 0, 1, cpu, group=own)
+    runtime = types.SimpleNamespace(replicas_host=dist.group.WORLD)  # what a stage reads of its runtime
+    stage = cls(profiler, runtime, sharding, module, 0, 1, cpu, group=own)
     schedule = ScheduleGPipe(stage, N_MICRO, loss_fn=loss)
     x, y = data(rank)
     try:

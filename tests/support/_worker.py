@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from dynmo_lightning.balance import BalancePolicy
 from dynmo_lightning.cli import CONF_DIR, run
-from dynmo_lightning.strategy import DynMoStrategy
+from dynmo_lightning.strategy.control import PipelineHandle
 from support import injected_costs
 
 READ_BYTES = [0]
@@ -49,7 +49,7 @@ def _no_gathers():
 
 def forbid_gathers() -> None:
     """The balancer's planning (the neighbour protocol and the decision) runs with every gather refused."""
-    run_neighbours, decide = DynMoStrategy.run_neighbours, BalancePolicy.decide
+    run_neighbours, decide = PipelineHandle.run_neighbours, BalancePolicy.decide
 
     @functools.wraps(run_neighbours)
     def neighbours(self, stage_of):
@@ -63,7 +63,7 @@ def forbid_gathers() -> None:
         with _no_gathers():
             return decide(self, *args, **kwargs)
 
-    DynMoStrategy.run_neighbours = neighbours  # type: ignore[method-assign]
+    PipelineHandle.run_neighbours = neighbours  # type: ignore[method-assign]
     BalancePolicy.decide = decided  # type: ignore[method-assign]
 
 

@@ -39,12 +39,12 @@ class Measure(L.Callback):
             counter.track(held(pl_module, opt))
             before = counter.live
             grads = storage_bytes([p.grad for p in pl_module.parameters() if p.grad is not None])
-            stats = strategy.shrink([0, 1], [3, 3], on_release="data_parallel")
+            stats = strategy.pipeline_control.shrink([0, 1], [3, 3], on_release="data_parallel")
             gc.collect()
             after = counter.live
         layer = 3 * (WIDTH * WIDTH + WIDTH) * 4  # weights and AdamW's two moments, fp32
         result = {"before": before, "grads": grads, "peak": counter.peak, "after": after,
-                  "received": stats.bytes_received, "layer_bytes": layer, "replicas": strategy.dp_size,
+                  "received": stats.bytes_received, "layer_bytes": layer, "replicas": strategy.pipeline_control.dp_size,
                   "rank_before": rank}  # fmt: skip
         with open(f"{self.out}.rank{rank}.json", "w") as f:
             json.dump(result, f)

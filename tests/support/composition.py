@@ -192,14 +192,14 @@ def refusal(overrides: list[str], world: int) -> str | None:
     """What the launching process says of a cell before any worker starts: its message, or None (it would launch).
 
     Composes the Hydra config as ``dynmo-train`` does, builds the Trainer and runs the strategy's pre-launch checks
-    (``pipeline.launcher.check_job``) with the Trainer call's arguments, in this process.
+    (``strategy.checks.check_job``) with the Trainer call's arguments, in this process.
     """
     from hydra import compose, initialize_config_dir
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     from dynmo_lightning.cli import CONF_DIR, build_callbacks, build_trainer
-    from dynmo_lightning.pipeline.launcher import check_job
+    from dynmo_lightning.strategy.checks import check_job
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dynmo_lightning.launch import run_ranks
-from dynmo_lightning.pipeline.sharded import load_whole
+from dynmo_lightning.pipeline.checkpoint.sharded import load_whole
 
 #: A gpt_tiny small enough that a 20-step run of 4 processes takes seconds on 2 cores.
 TINY = [
@@ -53,10 +53,10 @@ REPACK = [
 RANDOM = ["balancer=optimal", "balancer.method=random", "balancer.every_n_steps=5", "balancer.warmup_steps=0"]
 ZBV = ["strategy.schedule=zbv", "strategy.stages_per_rank=2"]
 #: Whether the V schedules run on gloo here: torch 2.11's runtime sends their middle stages' shapes from a process to
-#: itself, which gloo cannot do (refused before launch there: ``launcher.check_v_schedule``).
+#: itself, which gloo cannot do (refused before launch there: ``checks.check_v_schedule``).
 V_ON_GLOO = torch.__version__ >= (2, 13)
 #: Marks a case of a V schedule on gloo (skipped, with the reason, on an older torch).
-needs_v = pytest.mark.skipif(not V_ON_GLOO, reason="V schedules on gloo need torch >= 2.13 (launcher.check_v_schedule)")
+needs_v = pytest.mark.skipif(not V_ON_GLOO, reason="V schedules on gloo need torch >= 2.13 (checks.check_v_schedule)")
 MOVING = [*FREEZE, *RANDOM, "trainer.max_steps=20"]
 # A checkpoint at step 10 (the end of an epoch of 10 batches), resumed to step 12.
 EPOCH = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynmo_lightning.strategy import DynMoStrategy
+from dynmo_lightning.strategy.control import PipelineHandle
 
 SECONDS_PER_BYTE = 1e-6
 
@@ -34,18 +34,21 @@ def structural(measured: dict[int, dict[str, float]], *, tail_scale: float = 1.0
 def inject(load_rises_at: int | None = None) -> None:
     """Make every ``DynMoStrategy`` of this process report structural costs (a test's worker calls this first).
 
+    The costs are what its pipeline handle (``strategy.pipeline_control``, the balancer's ``Rebalancing`` role)
+    reports.
+
     With ``load_rises_at``, the layers after the first two cost 1 % until that step and fully from then on: the load
     of a pipeline that fits on few ranks rises again (the layers' math is unchanged).
     """
-    measure = DynMoStrategy.profile_results
+    measure = PipelineHandle.profile_results
 
-    def profile_results(self: DynMoStrategy) -> Any:
+    def profile_results(self: PipelineHandle) -> Any:
         measured = measure(self)
-        step = self.lightning_module.trainer.global_step if self.lightning_module is not None else 0
+        step = self._step()
         tail = 0.01 if load_rises_at is not None and step < load_rises_at else 1.0
         return None if measured is None else structural(measured, tail_scale=tail)
 
-    DynMoStrategy.profile_results = profile_results  # type: ignore[method-assign]
+    PipelineHandle.profile_results = profile_results  # type: ignore[method-assign]
 
 
 # `PYTHONPATH=tests python tests/support/injected_costs.py OVERRIDES...`: dynmo-train with injected costs.

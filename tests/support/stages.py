@@ -7,8 +7,9 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from dynmo_lightning.pipeline.layout import PipelineGroup
-from dynmo_lightning.pipeline.stages import LocalStages
+from dynmo_lightning.pipeline.stage.local import LocalStages
+from dynmo_lightning.pipeline.topology.mesh import PipelineGroup
+from dynmo_lightning.pipeline.topology.world import FixedWorld
 
 
 def one_process_stages(model: nn.Module, n_microbatches: int = 4) -> LocalStages:
@@ -16,8 +17,7 @@ def one_process_stages(model: nn.Module, n_microbatches: int = 4) -> LocalStages
     return LocalStages.from_module(
         model,
         "uniform",
-        PipelineGroup(0, None, [0]),
-        lambda: (None, 0),
+        FixedWorld(pipeline=PipelineGroup(0, None, [0])),
         stages_per_rank=1,
         schedule="gpipe",
         n_microbatches=n_microbatches,

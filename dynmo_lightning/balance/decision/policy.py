@@ -27,6 +27,9 @@ A policy keeps what it has measured (a :class:`~dynmo_lightning.balance.CostTrac
 
 The caller carries the decisions out (moves layers, or replays their cost) and reports measured migrations back with
 :meth:`BalancePolicy.record_migration`, which updates the bandwidth estimate.
+
+The measuring half (tracker, cadence, events, checkpointed state) is :class:`~.cadence.PolicyCadence`, which
+:class:`BalancePolicy` extends; the pipeline it plans for is :class:`~.pipeline_shape.PipelineShape`.
 """
 
 from __future__ import annotations
@@ -34,13 +37,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import random
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from dynmo_lightning.balance.decision.policy_settings import DEFAULT_BANDWIDTH, BalanceSettings
+from dynmo_lightning.balance.decision.cadence import ONE_SHOT, PolicyCadence
+from dynmo_lightning.balance.decision.pipeline_shape import PipelineShape
+from dynmo_lightning.balance.decision.policy_settings import BalanceSettings
 from dynmo_lightning.balance.decision.repack import best_split, plan_repack
-from dynmo_lightning.balance.decision.tracker import CostTracker
 from dynmo_lightning.balance.diffusion.driver import (
     DiffusionStage,
     StageOutcome,
@@ -55,59 +58,11 @@ from dynmo_lightning.balance.steptime.closed_form import repartition_pays
 from dynmo_lightning.balance.steptime.makespan import makespan
 from dynmo_lightning.balance.steptime.memory_model import MemoryCheck
 from dynmo_lightning.balance.steptime.planner import StepModel, even_memory, makespan_split
-from dynmo_lightning.settings import resolve
 
-#: Methods that plan once and never again.
-ONE_SHOT = ("static_time", "params")
+__all__ = ["GROW", "KEEP", "MIGRATE", "ONE_SHOT", "REPACK", "BalancePolicy", "Decision", "PipelineShape"]
 
 #: What a check can decide.
 KEEP, MIGRATE, REPACK, GROW = "keep", "migrate", "repack", "grow"
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineShape:
-    """The pipeline a policy plans for.
-
-    Attributes:
-        layers_per_stage: the split in force.
-        n_ranks: processes of the pipeline (stage ``s`` runs on the rank
-            :func:`~dynmo_lightning.balance.split.placement.stage_ranks` gives: ``s % n_ranks``, or the V of
-            ZBV/DualPipeV).
-        n_microbatches: micro-batches per step.
-        schedule: a schedule of :data:`~dynmo_lightning.balance.steptime.makespan.SCHEDULES` (its task order is what the
-            step time of every decision is simulated from).
-        param_counts: parameters of each layer (for ``method="params"``).
-        nodes: the node each rank runs on (a repack then frees whole nodes); ``None``: unknown.
-        waiting: released ranks that wait and may be re-admitted (a grow adds up to this many stages).
-        fsdp_memory: how FSDP2 units hold a step's weights and gradients now, ``"fast"`` or ``"lean"``
-            (``StrategySettings.fsdp_memory``).
-        fsdp_memory_auto: whether a check chooses it (``fsdp_memory="auto"``: :meth:`BalancePolicy.choose_fsdp_memory`).
-    """
-
-    layers_per_stage: list[int]
-    n_ranks: int
-    n_microbatches: int
-    schedule: str = "1f1b"
-    param_counts: Sequence[int] | None = None
-    nodes: Sequence[Hashable] | None = None
-    waiting: int = 0
-    fsdp_memory: str = "fast"
-    fsdp_memory_auto: bool = False
-
-    @property
-    def n_stages(self) -> int:
-        """Stages of the split in force."""
-        return len(self.layers_per_stage)
-
-    @property
-    def stages_per_rank(self) -> int:
-        """Stages each rank runs (more than one: interleaved and V schedules)."""
-        return max(1, self.n_stages // self.n_ranks)
-
-    @property
-    def inflight(self) -> int:
-        """Micro-batches whose activations a stage may hold at once under the schedule."""
-        return self.n_microbatches if self.schedule == "gpipe" else min(self.n_microbatches, self.n_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,87 +97,16 @@ class Decision:
     steps: list[list[int]] = dataclasses.field(default_factory=list)
 
 
-class BalancePolicy:
+class BalancePolicy(PolicyCadence):
     """Measured costs, cadence and the keep / migrate / repack decision of DynMo's balancer.
 
-    Args:
-        method: one of :data:`METHODS`, or the whole
-        :class:`~dynmo_lightning.balance.decision.policy_settings.BalanceSettings`. **settings: the other fields of
-        :class:`~dynmo_lightning.balance.decision.policy_settings.BalanceSettings`
-            (names, defaults and meaning there), over ``method``'s when that is a settings object.
-
-    Raises:
-        ValueError: a setting is out of range (the message names it).
-        TypeError: an unknown setting.
+    Made as :class:`~dynmo_lightning.balance.decision.cadence.PolicyCadence` is (the same arguments and errors).
     """
 
     def __init__(self, method: str | BalanceSettings = "optimal", **settings: Any) -> None:
-        given, overrides = (
-            (method, settings) if isinstance(method, BalanceSettings) else (None, {"method": method, **settings})
-        )
-        s = self.settings = resolve(BalanceSettings, "BalancePolicy", "balancer", given, overrides)
-        self.profile_every_n_steps = s.profile_every_n_steps or max(1, s.every_n_steps // 5)
-        #: Bytes per second of a migration: the setting until one is measured (:meth:`record_migration`).
-        self.bandwidth = s.bandwidth
-        self.tracker: CostTracker | None = None
-        self.planned_once = False
-        #: The most ranks the pipeline has had (with those waiting to come back): the size repack tolerances refer to.
-        self.full_stages = 0
-        #: Fresh measurements since the last event (``None``: no event waiting for its check).
-        self.after_event: int | None = None
+        super().__init__(method, **settings)
         self._check: tuple[Any, MemoryCheck] | None = None  # the memory check of the costs in force, made once
-        self._rng = random.Random(s.seed)
         self._model: tuple[Any, StepModel, Any] | None = None
-
-    # ----------------------------------------------------------------------------------------------------------------
-    def start(self, n_layers: int) -> CostTracker:
-        """Begin (or continue) measuring a model of ``n_layers`` layers; returns the tracker."""
-        if self.tracker is None or self.tracker.n_layers != n_layers:
-            self.tracker = CostTracker(n_layers, self.settings.smoothing, self.settings.window)
-        return self.tracker
-
-    @property
-    def done(self) -> bool:
-        """Whether the policy will never plan again (a one-shot method that has planned)."""
-        return self.settings.method in ONE_SHOT and self.planned_once
-
-    def wants_profile(self, step: int) -> bool:
-        """Whether the step about to run (``step`` steps done before it) should be profiled."""
-        if self.settings.method == "random" or self.done or step < self.settings.warmup_steps:
-            return False
-        if self.after_event is not None:
-            return True
-        return (step + 1) % self.profile_every_n_steps == 0 or (step + 1) % self.settings.every_n_steps == 0
-
-    def observe(self, measured: dict[int, dict[str, float]]) -> None:
-        """Fold one profiled step's costs (``{layer: {field: value}}``, every layer) into the tracker."""
-        if self.tracker is None:
-            self.start(len(measured))
-        assert self.tracker is not None
-        self.tracker.update(measured)
-        if self.after_event is not None:
-            self.after_event += 1
-
-    def layers_changed(self, layers: Iterable[int]) -> None:
-        """An event: ``layers`` changed (a dynamic technique froze or pruned them); react (see the module docstring)."""
-        if self.tracker is None or self.settings.method == "random" or self.done or not self.settings.react_samples:
-            return
-        self.tracker.restart(layers)
-        self.after_event = 0
-
-    def due(self, step: int) -> bool:
-        """Whether a check is due now that ``step`` optimizer steps are done."""
-        if step <= self.settings.warmup_steps or self.done:
-            return False
-        reacting = self.after_event is not None and self.after_event >= self.settings.react_samples
-        if step % self.settings.every_n_steps and not reacting:
-            return False
-        return self.settings.method in ("random", "params") or bool(self.tracker and self.tracker.samples)
-
-    def record_migration(self, moved: float, seconds: float) -> None:
-        """Fold a measured migration (``moved`` bytes in ``seconds``) into the bandwidth estimate."""
-        if moved and seconds > 0:
-            self.bandwidth = 0.5 * self.bandwidth + 0.5 * (moved / seconds)
 
     # ----------------------------------------------------------------------------------------------------------------
     def plan(self, pipe: PipelineShape) -> tuple[list[int], dict[str, Any]]:
@@ -547,30 +431,6 @@ class BalancePolicy:
             return None, None
         assert self.tracker is not None
         return self.tracker.memory(pipe.inflight), self.settings.memory_capacity
-
-    # ----------------------------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state: the tracked costs, the bandwidth estimate, whether it planned, the random state."""
-        return {
-            "tracker": self.tracker.state_dict() if self.tracker is not None else None,
-            "bandwidth": self.bandwidth,
-            "planned_once": self.planned_once,
-            "after_event": self.after_event,
-            "full_stages": self.full_stages,
-            "rng": self._rng.getstate(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any], n_layers: int | None = None) -> None:
-        """Restore :meth:`state_dict` (the tracker once ``n_layers`` is known)."""
-        self.bandwidth = float(state.get("bandwidth", DEFAULT_BANDWIDTH))
-        self.planned_once = bool(state.get("planned_once", False))
-        self.after_event = state.get("after_event")
-        self.full_stages = int(state.get("full_stages", 0))
-        if state.get("rng") is not None:
-            version, internal, gauss = state["rng"]  # a checkpoint turns the tuples into lists
-            self._rng.setstate((version, tuple(internal), gauss))
-        if n_layers is not None and state.get("tracker") is not None:
-            self.start(n_layers).load_state_dict(state["tracker"])
 
 
 def _with_way(pipe: PipelineShape, info: dict[str, Any]) -> dict[str, Any]:

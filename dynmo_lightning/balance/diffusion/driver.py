@@ -4,7 +4,7 @@ One protocol, two drivers. :class:`DiffusionStage` is the state machine of ONE p
 layers (cost, memory and any extra numbers that ride along, e.g. forward/backward time and bytes) and, every round,
 emits one fixed-size :class:`Card` to both neighbours and consumes the two cards they sent. :func:`diffuse` and
 :func:`diffusion_rounds` drive all stages in one process with in-memory message passing (planning, the simulator,
-tests); :func:`dynmo_lightning.pipeline.neighbours.run_stage` drives one stage per process with point-to-point
+tests); :func:`dynmo_lightning.pipeline.stage.neighbours.run_stage` drives one stage per process with point-to-point
 messages on the pipeline group (the balancer at runtime). Both run the same code, so they take the same rounds and
 end on the same split.
 

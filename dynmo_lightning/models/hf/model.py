@@ -2,9 +2,9 @@
 
 The module's layers are the Hugging Face model's own modules, regrouped into pipeline layers (:mod:`.layers`):
 embedding, every decoder layer, final norm + head. Tied embeddings stay one shared parameter, which the pipeline
-keeps exact across stages (:mod:`dynmo_lightning.pipeline.ties`). The loss is Hugging Face's causal-LM cross-entropy
-(logits upcast to float, ``-100`` ignored); dataloader batches are ``(input_ids, next_token_ids)`` pairs, or
-Hugging Face style dicts ``{"input_ids", "labels"}`` whose labels are shifted as Hugging Face does.
+keeps exact across stages (:mod:`dynmo_lightning.pipeline.stage.ties`). The loss is Hugging Face's causal-LM
+cross-entropy (logits upcast to float, ``-100`` ignored); dataloader batches are ``(input_ids, next_token_ids)`` pairs,
+or Hugging Face style dicts ``{"input_ids", "labels"}`` whose labels are shifted as Hugging Face does.
 
 From a config or a checkpoint, the layers start on the meta device (:mod:`.weights`): under a pipeline strategy each
 stage materialises only its own layers (initialised, or read from the checkpoint by key), so no process holds the

@@ -1,0 +1,266 @@
+"""The pipeline's roles for callbacks (:mod:`dynmo_lightning.core.control`), answered for ``DynMoStrategy``.
+
+``DynMoStrategy`` is Lightning's face: its hooks, steps, checkpoints and collectives. What callbacks ask of the
+pipeline (its shape and history, layer events, rebalancing, layer editing) is :class:`PipelineHandle`, which the
+strategy gives as ``strategy.pipeline_control`` and which holds the stages this process runs, the partition history
+and the resizer; the world both read is the strategy's one :class:`~dynmo_lightning.pipeline.topology.world.World`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from dynmo_lightning import balance
+from dynmo_lightning.balance.diffusion.driver import DiffusionStage
+from dynmo_lightning.pipeline.elastic import release
+from dynmo_lightning.pipeline.elastic.resize import Resized, ResizeHost, Resizer
+from dynmo_lightning.pipeline.stage.local import LayerEditor, LocalStages
+from dynmo_lightning.pipeline.stage.migration import MigrationStats
+from dynmo_lightning.pipeline.stage.neighbours import NeighbourStats, run_stage
+from dynmo_lightning.pipeline.stage.reduce import replicas_in_sync
+from dynmo_lightning.pipeline.stage.runtime import StagePlan
+from dynmo_lightning.pipeline.topology.world import World
+from dynmo_lightning.profiling import DeviceClock
+
+
+class HandleHost(ResizeHost, Protocol):
+    """The strategy as the handle reads it (and a resize through it): its settings, module, optimizers, broadcast."""
+
+    data_parallel: str
+    tensor_parallel_size: int
+    fsdp_memory: str
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the job."""
+
+    @property
+    def lightning_module(self) -> pl.LightningModule | None:
+        """Its trainer's step."""
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """Moved layers take their optimizer state along; the first one's state is profiled."""
+
+
+class Forwarded:
+    """An attribute of another object its owner holds, read and set there: ``pp_size = Forwarded("world")``.
+
+    Args:
+        holder: the owner's attribute holding the object.
+        name: the attribute there (``None``: the same name as here).
+    """
+
+    def __init__(self, holder: str, name: str | None = None) -> None:
+        self.holder, self.name = holder, name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.name or name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(getattr(obj, self.holder), self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(getattr(obj, self.holder), self.name, value)
+
+
+class PipelineHandle:
+    """Every role of :class:`~dynmo_lightning.core.control.PipelineControl`, and :class:`LayerEditing`'s maker.
+
+    Args:
+        strategy: the strategy it answers for (its settings, optimizers, module and collectives).
+        world: the strategy's world.
+    """
+
+    def __init__(self, strategy: HandleHost, world: World) -> None:
+        self._strategy, self.world = strategy, world
+        #: The stages this process runs (``None`` before the model is split in set-up).
+        self.stages: LocalStages | None = None
+        #: ``[{"step", "layers_per_stage"}]``: the initial partition and every change.
+        self.partitions: list[dict[str, Any]] = []
+        #: The worlds it runs in, shrinks, grows (pipeline/elastic/resize.py).
+        self.resizer = Resizer(strategy, world)
+        #: The last training step's schedule: its clock, start and end.
+        self.schedule_span: tuple[DeviceClock, Any, Any] | None = None
+        #: Batch size the sampler delivered in the last training step (before a replica takes its part).
+        self.batch_size: int | None = None
+
+    # --- the strategy's settings and the world's facts, as the roles read them (docs: core/control.py) ----------
+    n_microbatches = Forwarded("_strategy")
+    schedule = Forwarded("_strategy")
+    stages_per_rank = Forwarded("_strategy")
+    data_parallel = Forwarded("_strategy")
+    tensor_parallel_size = Forwarded("_strategy")
+    fsdp_memory = Forwarded("_strategy")
+    world_size = Forwarded("_strategy")
+    pp_size = Forwarded("world")
+    pp_rank = Forwarded("world")
+    dp_size = Forwarded("world")
+    dp_rank = Forwarded("world")
+    replica_ranks = Forwarded("world")
+    host_group = Forwarded("world")
+    device_mesh = Forwarded("world")
+
+    # --- run facts ---------------------------------------------------------------------------------------------------
+    @property
+    def local(self) -> LocalStages:
+        """The stages this process runs (after set-up)."""
+        if self.stages is None:
+            raise RuntimeError("the model is split into stages in the strategy's set-up (Trainer.fit)")
+        return self.stages
+
+    @property
+    def n_layers(self) -> int:
+        """Number of pipeline layers of the model (0 before the model is split)."""
+        return self.stages.slots.n_layers if self.stages is not None else 0
+
+    @property
+    def n_stages(self) -> int:
+        """Number of (virtual) pipeline stages."""
+        return self.world.pp_size * self.stages_per_rank
+
+    @property
+    def layers_per_stage(self) -> list[int]:
+        """The current partition (empty before the model is split)."""
+        return list(self.stages.plan.layers_per_stage) if self.stages is not None else []
+
+    @property
+    def layer_param_counts(self) -> list[int]:
+        """Parameter count of every pipeline layer (taken before the split)."""
+        return list(self.stages.split.param_counts) if self.stages is not None else []
+
+
+    @property
+    def schedule_seconds(self) -> float:
+        """Device time of the last training step's schedule (all micro-batches; on GPU reading waits for them)."""
+        return self.schedule_span[0].elapsed(*self.schedule_span[1:]) if self.schedule_span else 0.0
+
+    @property
+    def releases(self) -> list[dict[str, Any]]:
+        """Every release by a shrink (ranks, hosts, whole nodes freed)."""
+        return self.resizer.releases
+
+    def param_norm(self) -> float:
+        """L2 norm (float64) of all parameters of the unsplit model, across stages; tied ones counted once."""
+        return self.local.param_norm(self._part_groups(), self.world.holders)
+
+    def replicas_in_sync(self) -> bool:
+        """Whether every replica holds bit-identical parameters and persistent buffers (collective over the job)."""
+        module, mesh = self._strategy.lightning_module, self.world.mesh
+        assert module is not None and mesh is not None
+        return replicas_in_sync(module.state_dict(), mesh.dp_control, self.world.dp_size, self.world.pipeline.device)
+
+    # --- layer events ------------------------------------------------------------------------------------------------
+    def on_layers_changed(self, layers: list[int] | None = None) -> None:
+        """Rebuild stages and schedules (their boundaries' gradients may have changed) before the next step."""
+        if self.stages is not None:
+            self.stages.layers_changed(self._step(), layers)
+
+    def changed_layers(self, step: int) -> list[int]:
+        """The layers reported changed while ``step`` optimizer steps were done (the balancer reacts to them)."""
+        return self.stages.changed_layers(step) if self.stages is not None else []
+
+    def tie_layers(self, param: Tensor) -> set[int]:
+        """Indices of all pipeline layers sharing ``param`` (a local parameter) in the unsplit model; empty if none."""
+        return self.stages.tie_layers(param) if self.stages is not None else set()
+
+    def shard_sum(self, values: Tensor) -> Tensor:
+        """``values`` summed over the processes holding other parts of this stage's layers (collective over them).
+
+        FSDP2's replicas and the tensor-parallel group; each process weighs its parts by ``reduce.held_share``.
+        """
+        for group in self._part_groups():
+            dist.all_reduce(values := values.clone(), op=dist.ReduceOp.SUM, group=group)
+        return values
+
+    def layer_editing(self) -> LayerEditor | None:
+        """The role of callbacks that change layers' shapes (``LayerEditing``; ``pipeline/stage/reshape.py``).
+
+        ``None`` before the model is split: there are no layers held in parts to edit yet.
+        """
+        if self.stages is None:
+            return None
+        return LayerEditor(self.stages, self._strategy.optimizers, self.tensor_parallel_size)
+
+    def _part_groups(self) -> list[dist.ProcessGroup]:
+        return self.world.part_groups(self.data_parallel == "fsdp")
+
+    # --- rebalancing -------------------------------------------------------------------------------------------------
+    def request_profile(self) -> None:
+        """Profile the coming training step (callbacks call this in ``on_train_batch_start``; several may)."""
+        self.local.request_profile()
+
+    def profile_results(self) -> dict[int, dict[str, float]] | None:
+        """Every layer's measured costs of the step just profiled (collective), or ``None`` if it was not profiled."""
+        mesh, optimizers = self.world.mesh, self._strategy.optimizers
+        assert mesh is not None
+        rows = len(mesh.layout.replicas)  # every pipeline plans from the same numbers
+        replicas = (mesh.stage_control or mesh.dp_control, rows) if rows > 1 else None
+        return self.local.profile_results(optimizers[0] if optimizers else None, replicas)
+
+    def repartition(self, layers_per_stage: list[int]) -> MigrationStats:
+        """Move layers (with all their state) so that the pipeline runs ``layers_per_stage``; the math never changes.
+
+        Every process must call it with the same plan; stages, schedule and optimizer groups are rebuilt.
+        """
+        lps = balance.validate_partition(layers_per_stage, self.n_layers, self.n_stages)
+        new = StagePlan(tuple(lps), self.world.pp_size, self.schedule)
+        if new == self.local.plan:
+            return MigrationStats(moves=[])
+        with self.world.phase(f"layer migration {self.layers_per_stage} -> {lps}"):
+            stats = self.local.migrate(new, self._strategy.optimizers)
+        return self._record(Resized(stats, {"step": self._step(), "layers_per_stage": lps}))
+
+    @property
+    def fsdp_memory_in_force(self) -> str:
+        """How FSDP2 units hold a step's weights and gradients now: ``"fast"`` or ``"lean"``."""
+        lean = self.stages.sharding.lean if self.stages is not None else self.fsdp_memory == "lean"
+        return "lean" if lean else "fast"
+
+    def set_fsdp_memory(self, way: str) -> None:
+        """Hold FSDP2 units' weights and gradients ``way`` (``"fast"``, ``"lean"``) from the next step on."""
+        self.local.set_lean(way == "lean")
+
+    def run_neighbours(self, stage_of: Callable[[int], DiffusionStage]) -> NeighbourStats:
+        """Drive this process's stage ``stage_of(pp_rank)`` of the diffusion protocol, point-to-point to neighbours."""
+        with self.world.phase("diffusion balancing between pipeline neighbours"):
+            return run_stage(stage_of(self.world.pp_rank), self.world.pipeline)
+
+    @property
+    def pipeline_nodes(self) -> list[Any] | None:
+        """The node of every pipeline rank (with replicas: the tuple of their nodes), for a repack that frees nodes."""
+        return self.resizer.pipeline_nodes(self.world.layout) if self.world.layout else None
+
+    @property
+    def waiting(self) -> int:
+        """Released processes waiting to be re-admitted by :meth:`grow` (one pipeline, one stage per rank only)."""
+        return self.resizer.waiting
+
+    def shrink(self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit",
+               release_to: release.ReleaseHandler | None = None) -> MigrationStats:  # fmt: skip
+        """Consolidate onto pipeline ranks ``keep_ranks``, release the others (collective; :meth:`Resizer.shrink`)."""
+        resized = self.resizer.shrink(self.local, keep_ranks, layers_per_stage, batch_size=self.batch_size,
+                                      on_release=on_release, release_to=release_to)  # fmt: skip
+        return self._record(resized)
+
+    def grow(self, layers_per_stage: list[int]) -> MigrationStats:
+        """Re-admit waiting processes as new stages of ``layers_per_stage`` (collective; :meth:`Resizer.grow`)."""
+        return self._record(self.resizer.grow(self.local, layers_per_stage))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Global rank ``src``'s ``obj`` on every process (collective; the strategy's broadcast)."""
+        return self._strategy.broadcast(obj, src)
+
+    def _step(self) -> int:
+        module = self._strategy.lightning_module
+        return module.trainer.global_step if module is not None else -1
+
+    def _record(self, resized: Resized) -> MigrationStats:
+        self.partitions.append(resized.partition)  # the handle alone writes the partition history
+        return resized.stats
