@@ -136,3 +136,13 @@ def test_the_v_and_the_loop_are_planned_by_ranks_not_stages(schedule, monkeypatc
     ranked = planned()
     monkeypatch.setattr(planner, "_rank_seed", lambda model, n_stages: None)
     assert ranked < 0.9 * planned()
+
+
+@pytest.mark.timeout(30)
+def test_the_rank_split_ends_on_subnormal_times():
+    # hypothesis found it (test_makespan_split_equals_brute_force): between two subnormal bounds there may be no float,
+    # the bisection's midpoint was one of them and the loop never ended
+    fwd = [5e-324, 2.8884625775651234, 0.0, 0.0]
+    costs = [1e-323, 5.776925155130247, 1e-323, 1e-323]
+    sizes = rank_split(fwd, costs, 2, 1, "zbv")
+    assert sizes is not None and sum(sizes) == 4 and all(s >= 1 for s in sizes)

@@ -73,6 +73,8 @@ def rank_split(
         lo = max(0.0, (n_microbatches * programme.c[-1] - bounds[fixed].sum()) / free.sum())
         while hi - lo > RELATIVE_GAP * hi:
             mid = 0.5 * (lo + hi)
+            if not lo < mid < hi:  # no float between them (subnormal times): the bisection cannot go on
+                break
             found = programme.cuts(np.where(free, mid, bounds))
             if found is None:
                 lo = mid
