@@ -146,14 +146,6 @@ def test_no_module_over_500_lines():
 PIPELINE_PARTS = {"topology": 0, "parallel": 1, "stage": 2, "elastic": 3, "checkpoint": 3}
 
 
-def test_pipeline_is_its_parts():
-    pipeline = PACKAGE / "pipeline"
-    loose = sorted(p.name for p in pipeline.glob("*.py") if p.name != "__init__.py")
-    assert loose == [], f"pipeline/ modules outside its parts {sorted(PIPELINE_PARTS)}: {loose}"
-    parts = sorted(p.name for p in pipeline.iterdir() if (p / "__init__.py").exists())
-    assert parts == sorted(PIPELINE_PARTS), parts
-
-
 def _part_violations(graph: dict[str, set[str]], root: str, levels: dict[str, int]) -> list[str]:
     """``module -> target`` edges inside ``root`` from a part to a part of the same or a higher level."""
     depth = root.count(".") + 1
@@ -455,13 +447,14 @@ def test_the_host_use_check_sees_reads_and_writes():
 BALANCE_PARTS = ("split", "diffusion", "partitioning", "steptime", "decision")
 
 
-def test_balance_is_its_four_parts_over_what_a_split_is():
-    # every module of balance/ lives in a part (the package __init__ only gathers them for users)
-    balance = PACKAGE / "balance"
-    loose = sorted(p.name for p in balance.glob("*.py") if p.name != "__init__.py")
-    assert loose == [], f"balance/ modules outside its sub-packages {BALANCE_PARTS}: {loose}"
-    parts = sorted(p.name for p in balance.iterdir() if (p / "__init__.py").exists())
-    assert parts == sorted(BALANCE_PARTS), parts
+@pytest.mark.parametrize(("package", "expected"), [("balance", BALANCE_PARTS), ("pipeline", PIPELINE_PARTS)])
+def test_a_package_of_parts_is_its_parts(package, expected):
+    # every module of balance/ and pipeline/ lives in a part (the package __init__ only gathers them for users)
+    folder = PACKAGE / package
+    loose = sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"{package}/ modules outside its parts {sorted(expected)}: {loose}"
+    parts = sorted(p.name for p in folder.iterdir() if (p / "__init__.py").exists())
+    assert parts == sorted(expected), parts
 
 
 @pytest.mark.parametrize("part", BALANCE_PARTS)
