@@ -91,7 +91,7 @@ class DynMoStrategy(WrappedPlugins):
         self.n_microbatches, self.schedule, self.stages_per_rank = s.n_microbatches, s.schedule, s.stages_per_rank
         self.partition, self.data_parallel_size, self.data_parallel = s.partition, s.data_parallel_size, s.data_parallel
         self.tensor_parallel_size, self.fsdp_memory = s.tensor_parallel_size, s.fsdp_memory
-        self._timeout, self.heartbeat_timeout = s.timeout_delta, float(s.heartbeat_timeout)
+        self.heartbeat_timeout = float(s.heartbeat_timeout)
         self.checkpoint_format = s.checkpoint_format
         self.process_group_backend = s.process_group_backend  # resolved per device at start-up
         self._shard_data: bool | None = None  # the Trainer's use_distributed_sampler (the strategy shards itself)
@@ -151,7 +151,7 @@ class DynMoStrategy(WrappedPlugins):
         backend = self.process_group_backend or fabric_dist._get_default_process_group_backend_for_device(device)
         self.process_group_backend = backend
         kwargs = {"device_id": device} if device.type != "cpu" else {}
-        fabric_dist._init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **kwargs)
+        fabric_dist._init_dist_connection(self.cluster_environment, backend, timeout=self._world.timeout, **kwargs)
         self._world.device = device  # pinned: a shrink renumbers local ranks, not devices
         self._pipeline.resizer.start(self.node_rank)
 
@@ -191,7 +191,7 @@ class DynMoStrategy(WrappedPlugins):
             handle.stages = LocalStages.from_module(
                 module, self.partition, world, stages_per_rank=self.stages_per_rank,
                 schedule=self.schedule, n_microbatches=self.n_microbatches, device=self.root_device,
-                timeout=self._timeout, recompute=checkpoint_policy(self.activation_checkpointing),
+                timeout=world.timeout, recompute=checkpoint_policy(self.activation_checkpointing),
                 sharding=StageSharding.of(self.data_parallel, world, self.root_device, self.precision_plugin.inner,
                                           tp, self.settings.fsdp_memory),
                 compile_options=self.settings.compile,

@@ -202,6 +202,6 @@ class World:
 
     def _set_up(self) -> tuple[ReplicaLayout, Mesh]:
         """The layout and the groups, which exist once the strategy set up its environment (``Trainer.fit``)."""
-        if self.layout is None or self.mesh is None:
+        if not self.ready:
             raise RuntimeError("the job's layout and process groups are made when the strategy sets up its environment")
-        return self.layout, self.mesh
+        return self.layout, self.mesh  # type: ignore[return-value]  # ready: both are set
