@@ -83,6 +83,35 @@ class DeviceClock:
         return end - start
 
 
+#: Side of the calibration kernel's square matrices: small on CPU (a few milliseconds), large enough on a GPU that
+#: its time is compute, not launch latency.
+CALIBRATION_SIZE = {"cpu": 128, "cuda": 4096}
+
+
+def calibration_seconds(device: torch.device, repeats: int = 3) -> float:
+    """Seconds a fixed kernel takes on ``device`` now: the process's speed, measured (the best of ``repeats``).
+
+    A few square matrix products whose cost never changes (unlike any layer's under a dynamic), so that the ratio of
+    two processes' times is the ratio of their speeds (``balance/decision/speeds.py`` says why a kernel). The
+    matrices are made once per device and kept; on a GPU the timing waits for the device once per repeat.
+    """
+    a = _calibration_input(device.type, device.index)
+    clock, best = DeviceClock(device), float("inf")
+    for _ in range(repeats):
+        start = clock.now()
+        for _ in range(4):
+            torch.mm(a, a)
+        best = min(best, clock.elapsed(start, clock.now()))
+    return best
+
+
+@functools.lru_cache(maxsize=4)
+def _calibration_input(kind: str, index: int | None) -> Tensor:
+    size = CALIBRATION_SIZE.get(kind, CALIBRATION_SIZE["cuda"])
+    generator = torch.Generator().manual_seed(0)
+    return torch.rand(size, size, generator=generator).to(torch.device(kind, index) if index is not None else kind)
+
+
 @dataclasses.dataclass
 class LayerCost:
     """Measured cost of one layer for one micro-batch (times in seconds, memory in bytes).

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dynmo_lightning.balance.steptime.planner import StepModel, makespan_split
@@ -52,20 +52,23 @@ def oracle(
     p2p: float,
     schedule: str = "1f1b",
     stages_per_rank: int = 1,
+    speeds: Callable[[int], Sequence[float]] | None = None,
 ) -> dict[str, Any]:
     """Every step on the makespan-optimal split of its own costs, with free migration: the bound for any balancer.
 
     ``n_stages`` counts stages (``stages_per_rank`` of them on each rank). Steps with the costs of an earlier step
-    reuse its plan (traces hold long runs of equal costs).
+    reuse its plan (traces hold long runs of equal costs). ``speeds(k)``: every rank's true speed during step ``k``
+    (the oracle knows them; see :func:`~dynmo_lightning.sim.simulate_run`).
     """
     total, splits = 0.0, []
     planned: dict[tuple[float, ...], tuple[float, list[int]]] = {}
-    for entry in trace:
-        key = (*entry["fwd"], *entry["bwd"], *entry.get("bwd_weight", ()))
+    for k, entry in enumerate(trace):
+        rates = None if speeds is None else [float(v) for v in speeds(k)]
+        key = (*entry["fwd"], *entry["bwd"], *entry.get("bwd_weight", ()), *(rates or ()))
         if key not in planned:
             model = StepModel(
                 entry["fwd"], entry["bwd"], n_microbatches, schedule, p2p,
-                wgt=entry.get("bwd_weight"), stages_per_rank=stages_per_rank,
+                wgt=entry.get("bwd_weight"), stages_per_rank=stages_per_rank, speeds=rates,
             )  # fmt: skip
             found = makespan_split(model, n_stages, start=splits[-1][1] if splits else None)
             assert found is not None  # no memory caps: every split fits

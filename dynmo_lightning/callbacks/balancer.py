@@ -30,7 +30,7 @@ from dynmo_lightning.balance.decision.policy_settings import METHODS, BalanceSet
 from dynmo_lightning.balance.split.placement import rank_stages
 from dynmo_lightning.core.composition import Composition, refuse
 from dynmo_lightning.core.control import JobShape, Rebalancing, pipeline_control
-from dynmo_lightning.pipeline.elastic.release import RELEASE_TO, ReleaseHandler, make_release_handler
+from dynmo_lightning.pipeline.elastic.release import RELEASE_TO, ReleaseEvent, ReleaseHandler, make_release_handler
 from dynmo_lightning.pipeline.elastic.survivors import ON_RELEASE
 from dynmo_lightning.profiling import device_memory
 from dynmo_lightning.settings import build, configured_by, from_settings
@@ -314,6 +314,7 @@ class DynMoBalancer(Callback):
             "plan_s": plan_s,
             "migrate_s": migrate_s,
             "bytes_moved": moved,
+            "speeds": list(self.policy.speeds.in_force or []),
             **decision.info,
         }
         self.history.append(record)
@@ -340,9 +341,11 @@ class DynMoBalancer(Callback):
             f"DynMo consolidation at step {trainer.global_step}: {len(decision.keep_ranks)} of {strategy.pp_size} "
             f"pipeline ranks kept ({decision.keep_ranks}); whole nodes freed: {freed if freed else 'none'}"
         )
-        stats = strategy.shrink(
-            decision.keep_ranks, decision.proposed, on_release=self.settings.on_release, release_to=self.release_to
-        )
+        slow = self._slow_released(decision.keep_ranks)
+        release_to = self.release_to if not slow else _naming_slow(self.release_to, slow)
+        stats = strategy.shrink(decision.keep_ranks, decision.proposed, on_release=self.settings.on_release,
+                                release_to=release_to)  # fmt: skip
+        self.policy.carried_out(decision)
         pl_module.log_dict(
             {
                 "balancer/world_size": float(strategy.world_size),
@@ -363,11 +366,18 @@ class DynMoBalancer(Callback):
                   "predicted_step_s": decision.predicted_step_s, "current_step_s": decision.current_step_s}  # fmt: skip
         self.history.append(record)
         stats = strategy.grow(decision.proposed)
+        self.policy.carried_out(decision)
         pl_module.log_dict(
             {"balancer/world_size": float(strategy.world_size), "balancer/grow_ms": 1e3 * stats.seconds},
             on_step=True,
             on_epoch=False,
         )
+
+    def _slow_released(self, keep_ranks: list[int]) -> dict[int, float]:
+        """The pipeline ranks a consolidation releases that were measured slow, with their speeds."""
+        speeds = self.policy.speeds.in_force or []
+        bar = 1.0 - self.policy.settings.speed_tolerance
+        return {r: v for r, v in enumerate(speeds) if r not in keep_ranks and v < bar}
 
     def _log(self, pl_module: pl.LightningModule, strategy: Rebalancing, record: dict[str, Any]) -> None:
         assert self.tracker is not None
@@ -393,6 +403,8 @@ class DynMoBalancer(Callback):
             if strategy.stages_per_rank > 1:
                 for r, load in enumerate(_rank_loads(measured, strategy)):
                     metrics[f"balancer/rank{r}_load_measured_ms"] = 1e3 * load
+        for r, speed in enumerate(self.policy.speeds.in_force or []):
+            metrics[f"balancer/rank{r}_speed"] = speed
         for s, (load, n) in enumerate(zip(predicted, strategy.layers_per_stage, strict=True)):
             metrics[f"balancer/stage{s}_load_predicted_ms"] = 1e3 * load
             metrics[f"balancer/stage{s}_layers"] = float(n)
@@ -422,6 +434,15 @@ def _rank_loads(stage_loads: list[float], strategy: Rebalancing) -> list[float]:
         return stage_loads  # the split of another pipeline (before a resize): per stage
     owned = rank_stages(strategy.schedule, strategy.pp_size, strategy.stages_per_rank)
     return [sum(stage_loads[s] for s in stages) for stages in owned]
+
+
+def _naming_slow(handler: ReleaseHandler, slow: dict[int, float]) -> ReleaseHandler:
+    """``handler`` told which released pipeline ranks were slow (``ReleaseEvent.slow_pipeline_ranks``, speeds)."""
+
+    def told(event: ReleaseEvent) -> Any:
+        return handler(dataclasses.replace(event, slow_pipeline_ranks={str(r): v for r, v in slow.items()}))
+
+    return told
 
 
 def _on_top(job: JobShape) -> str:

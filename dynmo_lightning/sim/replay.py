@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from dynmo_lightning import balance
 from dynmo_lightning.balance.decision.policy import GROW, MIGRATE, REPACK, BalancePolicy, PipelineShape
+from dynmo_lightning.balance.split.placement import stage_ranks
 from dynmo_lightning.sim.simulator import simulate_layers
 from dynmo_lightning.sim.traces import check_trace
 
@@ -88,6 +89,7 @@ def simulate_run(
     profile_every_n_steps: int = 1,
     warmup_steps: int = 0,
     stages_per_rank: int = 1,
+    speeds: Callable[[int], Sequence[float]] | None = None,
     **settings: Any,
 ) -> RunResult:
     """Replay a cost trace under one balancing policy.
@@ -118,6 +120,11 @@ def simulate_run(
         warmup_steps: the balancer's warm-up (no profiles, no checks before it).
         stages_per_rank: stages each rank runs (interleaved and V schedules; placement by
             :func:`~dynmo_lightning.balance.split.placement.stage_ranks`); rank-seconds count ranks, not stages.
+        speeds: ``speeds(k)`` is the relative speed of every process of the starting pipeline during trace step
+            ``k`` (a straggler: one below 1); ``None``: all 1. A process of speed ``v`` takes its layers' trace costs
+            over ``v``; the policy sees what the balancer would: each layer's time on its process with that
+            process's calibration kernel time (``1 / v``), and plans with the speeds it estimates from them. A
+            consolidation keeps processes by the ranks it keeps.
         **settings: further settings of :class:`~dynmo_lightning.balance.decision.policy.BalancePolicy` (``min_gain``,
             ``smoothing``, ``window``, ``migration_overhead``, ``repack_tolerance``, ``min_stages``, ...).
 
@@ -140,7 +147,11 @@ def simulate_run(
     simulated: dict[tuple[Any, ...], float] = {}  # traces hold long runs of equal costs: simulate each split once
     for k, entry in enumerate(steps):
         if balancer is not None:
-            _balance(balancer, k, entry, run, n_microbatches, schedule, n_stages if regrow else 0)
+            _check(balancer, k, entry, run, n_microbatches, schedule, n_stages if regrow else 0)
+        if speeds is not None:  # under the split the check left in force
+            entry = _on_processes(entry, run, [float(v) for v in speeds(k)], schedule)
+        if balancer is not None:
+            _profile(balancer, k, entry)
         key = (*run.current, *entry["fwd"], *entry["bwd"], *entry.get("bwd_weight", ()))
         if key not in simulated:
             fwd, bwd, wgt = entry["fwd"], entry["bwd"], entry.get("bwd_weight")
@@ -169,7 +180,7 @@ def _check_policy(policy: str, repack: bool, n_stages: int, stages_per_rank: int
     return policy, repack
 
 
-def _balance(
+def _check(
     balancer: BalancePolicy,
     k: int,
     entry: Mapping[str, Any],
@@ -178,21 +189,29 @@ def _balance(
     schedule: str,
     full_stages: int = 0,
 ) -> None:
-    """What the balancer does around step ``k``: check (and replay its decisions) before it, profile it.
+    """What the balancer does before step ``k``: check, and replay its decisions.
 
-    A trace step's ``changed_layers`` (layers a dynamic changed just before it) are the balancer's events. With
-    ``full_stages``, the ranks released below it wait to be re-admitted.
+    With ``full_stages``, the ranks released below it wait to be re-admitted.
     """
     if balancer.due(k):
         waiting = max(0, full_stages - len(run.current))
         pipe = PipelineShape(run.current, run.ranks, n_microbatches, schedule, waiting=waiting)
         for decision in balancer.decide(pipe):
             if decision.action in (MIGRATE, REPACK, GROW):
-                run.migrate(entry["step"], decision.proposed, decision.bytes_moved, decision.migration_s)
+                run.migrate(entry["step"], decision.proposed, decision.bytes_moved, decision.migration_s,
+                            decision.keep_ranks if decision.action == REPACK else None)  # fmt: skip
+                balancer.carried_out(decision)
+
+
+def _profile(balancer: BalancePolicy, k: int, entry: Mapping[str, Any]) -> None:
+    """What the balancer does around step ``k`` as it runs: its events, and its profile when it wants one.
+
+    A trace step's ``changed_layers`` (layers a dynamic changed just before it) are the balancer's events.
+    """
     if entry.get("changed_layers"):
         balancer.layers_changed(entry["changed_layers"])
     if balancer.wants_profile(k):
-        fields = [f for f in balance.CostTracker.FIELDS if f in entry]
+        fields = [f for f in (*balance.CostTracker.FIELDS, "probe_s", "pp_rank") if f in entry]
         balancer.observe({i: {f: entry[f][i] for f in fields} for i in range(len(entry["fwd"]))})
 
 
@@ -211,9 +230,21 @@ class _Recorder:
         self.rank_seconds = 0.0
         self.bytes_moved = 0.0
         self._pending = 0.0  # migration time charged to the next step
+        #: The processes (by their rank in the starting pipeline) that run the pipeline's ranks now, in order.
+        self.processes = list(range(self.ranks))
 
-    def migrate(self, step: int, layers_per_stage: list[int], moved: float, seconds: float) -> None:
-        """A move to ``layers_per_stage`` before ``step`` (fewer stages: a consolidation, more: a grow)."""
+    def migrate(
+        self, step: int, layers_per_stage: list[int], moved: float, seconds: float, keep: list[int] | None = None
+    ) -> None:
+        """A move to ``layers_per_stage`` before ``step`` (fewer stages: a consolidation onto ``keep``, more: a grow).
+
+        Re-admitted processes are those released, in their starting order.
+        """
+        if keep is not None:
+            self.processes = [self.processes[r] for r in keep]
+        elif len(layers_per_stage) > len(self.current):
+            released = [p for p in range(self.world_sizes[0][1]) if p not in self.processes]
+            self.processes += released[: len(layers_per_stage) // self.stages_per_rank - self.ranks]
         self.partitions.append((step, list(layers_per_stage)))
         self.bytes_moved += moved
         self._pending += seconds
@@ -247,6 +278,24 @@ class _Recorder:
             self.rank_seconds,
             self.bytes_moved,
         )
+
+
+def _on_processes(entry: Mapping[str, Any], run: _Recorder, speeds: list[float], schedule: str) -> dict[str, Any]:
+    """A trace step as it runs on processes of ``speeds``: each layer's times over its process's speed.
+
+    Beside them, what the balancer's profile carries: its process's calibration kernel time ``1 / v`` and its
+    pipeline rank.
+    """
+    ranks = stage_ranks(schedule, run.ranks, run.stages_per_rank)
+    owner = [ranks[s] for s, n in enumerate(run.current) for _ in range(n)]
+    rate = [speeds[run.processes[r]] for r in owner]
+    out = dict(entry)
+    for field in ("fwd", "bwd", "bwd_weight"):
+        if field in entry:
+            out[field] = [t / v for t, v in zip(entry[field], rate, strict=True)]
+    out["probe_s"] = [1.0 / v for v in rate]
+    out["pp_rank"] = [float(r) for r in owner]
+    return out
 
 
 def _initial(first: Mapping[str, Any], policy: str, n_stages: int) -> list[int]:

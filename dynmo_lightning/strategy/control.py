@@ -135,7 +135,6 @@ class PipelineHandle:
         """Parameter count of every pipeline layer (taken before the split)."""
         return list(self.stages.split.param_counts) if self.stages is not None else []
 
-
     @property
     def schedule_seconds(self) -> float:
         """Device time of the last training step's schedule (all micro-batches; on GPU reading waits for them)."""

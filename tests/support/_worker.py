@@ -82,7 +82,8 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     record_reads()
     if spec.get("inject_costs"):
-        injected_costs.inject(spec.get("load_rises_at"))
+        slow = spec.get("slow_process")
+        injected_costs.inject(spec.get("load_rises_at"), tuple(slow) if slow else None)
     if spec.get("forbid_gathers"):
         forbid_gathers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

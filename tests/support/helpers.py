@@ -122,6 +122,7 @@ def launch(
     *,
     inject_costs: bool = False,
     load_rises_at: int | None = None,
+    slow_process: tuple[int, float, int] | None = None,
     forbid_gathers: bool = False,
     base: list[str] = TINY,
 ) -> dict[Path, CliRun]:
@@ -130,7 +131,9 @@ def launch(
     Every case gets the tiny config plus its overrides and ``trainer.devices=world_size``; returns one
     :class:`CliRun` per run directory. ``inject_costs``: the balancer plans from structural layer costs instead of
     measured times (``tests/support/injected_costs.py``), for tests whose verdict depends on its decisions; from step
-    ``load_rises_at`` on, frozen layers cost as if they trained again. ``forbid_gathers``: every gather collective
+    ``load_rises_at`` on, frozen layers cost as if they trained again; with ``slow_process = (pipeline rank, factor,
+    from step)`` that process measures ``factor`` times slower from then on, its calibration kernel too (injected,
+    not timed). ``forbid_gathers``: every gather collective
     raises while the balancer plans (``tests/support/_worker.py``). ``base``: the overrides every case starts from
     (the tiny GPT's; another model's for Hugging Face cases).
     """
@@ -142,6 +145,7 @@ def launch(
         ],
         "inject_costs": inject_costs,
         "load_rises_at": load_rises_at,
+        "slow_process": slow_process,
         "forbid_gathers": forbid_gathers,
     }
     spec_path = spec_dir / f"spec-{world_size}-{len(list(spec_dir.iterdir()))}.json"

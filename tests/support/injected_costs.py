@@ -31,14 +31,29 @@ def structural(measured: dict[int, dict[str, float]], *, tail_scale: float = 1.0
     }
 
 
-def inject(load_rises_at: int | None = None) -> None:
+def slowed(
+    measured: dict[int, dict[str, float]], rank: int, factor: float, on: bool
+) -> dict[int, dict[str, float]]:
+    """The measurements as if pipeline rank ``rank`` ran ``factor`` times slower (when ``on``): its layers' times and
+    its calibration kernel's time (``probe_s``) times ``factor``; every other process's kernel takes 1 s."""
+    out = {}
+    for i, m in measured.items():
+        slow = on and int(m["pp_rank"]) == rank
+        scale = factor if slow else 1.0
+        out[i] = {**m, "fwd": m["fwd"] * scale, "bwd": m["bwd"] * scale, "probe_s": scale}
+    return out
+
+
+def inject(load_rises_at: int | None = None, slow_process: tuple[int, float, int] | None = None) -> None:
     """Make every ``DynMoStrategy`` of this process report structural costs (a test's worker calls this first).
 
     The costs are what its pipeline handle (``strategy.pipeline_control``, the balancer's ``Rebalancing`` role)
     reports.
 
     With ``load_rises_at``, the layers after the first two cost 1 % until that step and fully from then on: the load
-    of a pipeline that fits on few ranks rises again (the layers' math is unchanged).
+    of a pipeline that fits on few ranks rises again (the layers' math is unchanged). With ``slow_process = (pipeline
+    rank, factor, from step)``, that process is a straggler from that step on (:func:`slowed`): speeds are injected
+    too, never timed.
     """
     measure = PipelineHandle.profile_results
 
@@ -46,7 +61,13 @@ def inject(load_rises_at: int | None = None) -> None:
         measured = measure(self)
         step = self._step()
         tail = 0.01 if load_rises_at is not None and step < load_rises_at else 1.0
-        return None if measured is None else structural(measured, tail_scale=tail)
+        if measured is None:
+            return None
+        costs = structural(measured, tail_scale=tail)
+        if slow_process is not None:
+            rank, factor, start = slow_process
+            costs = slowed(costs, rank, factor, step >= start)
+        return costs
 
     PipelineHandle.profile_results = profile_results  # type: ignore[method-assign]
 

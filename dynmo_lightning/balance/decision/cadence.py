@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dynmo_lightning.balance.decision.policy_settings import DEFAULT_BANDWIDTH, BalanceSettings
+from dynmo_lightning.balance.decision.speeds import ProcessSpeeds
 from dynmo_lightning.balance.decision.tracker import CostTracker
 from dynmo_lightning.settings import resolve
 
@@ -46,6 +47,8 @@ class PolicyCadence:
         self.full_stages = 0
         #: Fresh measurements since the last event (``None``: no event waiting for its check).
         self.after_event: int | None = None
+        #: Every pipeline rank's relative speed (``process_speeds``), from the kernel times of profiled steps.
+        self.speeds = ProcessSpeeds(s.speed_tolerance)
         self._rng = random.Random(s.seed)
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -69,20 +72,35 @@ class PolicyCadence:
         return (step + 1) % self.profile_every_n_steps == 0 or (step + 1) % self.settings.every_n_steps == 0
 
     def observe(self, measured: dict[int, dict[str, float]]) -> None:
-        """Fold one profiled step's costs (``{layer: {field: value}}``, every layer) into the tracker."""
+        """Fold one profiled step's costs (``{layer: {field: value}}``, every layer) into the tracker.
+
+        With ``process_speeds``, layers that carry their process's kernel time (``probe_s``, ``pp_rank``) are first
+        normalised to the reference speed, and the kernel times update the speeds; a change of the speeds in force
+        is an event: the next step checks (the costs' history stays, they are speed-free).
+        """
         if self.tracker is None:
             self.start(len(measured))
         assert self.tracker is not None
+        if self.settings.process_speeds:
+            changed = self.speeds.observe(ProcessSpeeds.probes(measured))
+            measured = ProcessSpeeds.normalise(measured)
+            if changed and self._reacts:
+                self.after_event = max(self.after_event or 0, self.settings.react_samples)
         self.tracker.update(measured)
         if self.after_event is not None:
             self.after_event += 1
+
+    @property
+    def _reacts(self) -> bool:
+        """Whether events lead to an early check (not under one-shot or random methods, or ``react_samples=0``)."""
+        return self.settings.method != "random" and not self.done and bool(self.settings.react_samples)
 
     def layers_changed(self, layers: Iterable[int]) -> None:
         """An event: ``layers`` changed (a dynamic technique froze or pruned them); react.
 
         How: see :mod:`~dynmo_lightning.balance.decision.policy`'s docstring.
         """
-        if self.tracker is None or self.settings.method == "random" or self.done or not self.settings.react_samples:
+        if self.tracker is None or not self._reacts:
             return
         self.tracker.restart(layers)
         self.after_event = 0
@@ -111,6 +129,7 @@ class PolicyCadence:
             "after_event": self.after_event,
             "full_stages": self.full_stages,
             "rng": self._rng.getstate(),
+            "speeds": self.speeds.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], n_layers: int | None = None) -> None:
@@ -119,6 +138,8 @@ class PolicyCadence:
         self.planned_once = bool(state.get("planned_once", False))
         self.after_event = state.get("after_event")
         self.full_stages = int(state.get("full_stages", 0))
+        if state.get("speeds") is not None:
+            self.speeds.load_state_dict(state["speeds"])
         if state.get("rng") is not None:
             version, internal, gauss = state["rng"]  # a checkpoint turns the tuples into lists
             self._rng.setstate((version, tuple(internal), gauss))

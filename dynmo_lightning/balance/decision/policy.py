@@ -243,7 +243,8 @@ class BalancePolicy(PolicyCadence):
         model = self.step_model(pipe)
 
         def best(n_stages: int) -> tuple[float, list[int]] | None:
-            return best_split(model, n_stages, memory=memory, capacity=capacity)
+            on = model.for_ranks(n_stages // pipe.stages_per_rank)  # re-admitted ranks: unmeasured until they run
+            return best_split(on, n_stages, memory=memory, capacity=capacity)
 
         now, full = self._step_time(pipe, pipe.layers_per_stage), best(min(self.full_stages, n_layers))
         bar = (1 + self.settings.repack_tolerance) * (full[0] if full is not None else now)
@@ -347,6 +348,7 @@ class BalancePolicy(PolicyCadence):
             nodes=pipe.nodes,
             reference_stages=self.full_stages,
             model=self.step_model(pipe),
+            speeds=self.speeds.planning(pipe.n_ranks) if self.settings.process_speeds else None,
         )
         if plan is None:
             return None
@@ -374,18 +376,29 @@ class BalancePolicy(PolicyCadence):
 
         The weight-gradient part of each layer's backward (zero-bubble ``W`` tasks) is the tracker's ``"bwd_weight"``
         field: the profiler's split of the backward under a zero-bubble schedule, 0 elsewhere (all of it is input).
+        With ``process_speeds``, each rank's stages take their (normalised) costs over its measured speed
+        (:class:`~dynmo_lightning.balance.decision.speeds.ProcessSpeeds`).
         """
         assert self.tracker is not None
         v = self.tracker.values
-        key = (pipe.n_microbatches, pipe.schedule, pipe.stages_per_rank, self.settings.p2p_seconds)
+        speeds = self.speeds.planning(pipe.n_ranks) if self.settings.process_speeds else None
+        key = (pipe.n_microbatches, pipe.schedule, pipe.stages_per_rank, self.settings.p2p_seconds,
+               None if speeds is None else tuple(speeds))  # fmt: skip
         costs = (list(v["fwd"]), list(v["bwd"]), list(v.get("bwd_weight") or []))
         if self._model is None or self._model[0] != key or self._model[2] != costs:
             model = StepModel(
                 v["fwd"], v["bwd"], pipe.n_microbatches, pipe.schedule, self.settings.p2p_seconds,
-                wgt=v.get("bwd_weight"), stages_per_rank=pipe.stages_per_rank,
+                wgt=v.get("bwd_weight"), stages_per_rank=pipe.stages_per_rank, speeds=speeds,
             )  # fmt: skip
             self._model = (key, model, costs)
         return self._model[1]
+
+    def carried_out(self, decision: Decision) -> None:
+        """A repack or grow ran: the measured speeds follow the ranks that now run the pipeline."""
+        if decision.action == REPACK and decision.keep_ranks is not None:
+            self.speeds.keep(decision.keep_ranks)
+        elif decision.action == GROW:
+            self.speeds.grow(len(decision.proposed))
 
     def _step_time(self, pipe: PipelineShape, split: list[int]) -> float:
         return self.step_model(pipe)(split)

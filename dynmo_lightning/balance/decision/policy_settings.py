@@ -80,6 +80,14 @@ class BalanceSettings:
     (0: wait for the regular check)."""
     seed: int = 0
     """Seed of ``method="random"``."""
+    process_speeds: bool = True
+    """Measure every process's relative speed (a calibration kernel timed when a step is profiled), plan each stage's
+    time as its costs over its process's speed, and release the slowest processes first when repacking
+    (``balance/decision/speeds.py``); ``False``: every process is assumed alike (a slow process then makes its own
+    layers look expensive)."""
+    speed_tolerance: float = 0.1
+    """Relative change of a process's measured speed that changes the speeds planned with (hysteresis: noise below
+    it moves no layer)."""
     diffusion_mode: str = EXACT
     """How ``method="diffusion"`` plans: ``"exact"`` (the optimal split, about a dozen probes of ~3P rounds) or
     ``"sweep"`` (equal-share cuts in about 2P rounds, within one layer's cost of the optimum)."""
@@ -113,6 +121,7 @@ class BalanceSettings:
             (self.repack_tolerance >= 0, "repack_tolerance", "must be >= 0"),
             (self.min_stages >= 1, "min_stages", "must be >= 1"),
             (self.react_samples >= 0, "react_samples", "must be >= 0"),
+            (0.0 <= self.speed_tolerance < 1.0, "speed_tolerance", "must be in [0, 1)"),
             (self.diffusion_mode in MODES, "diffusion_mode", f"is not one of {list(MODES)}"),
         ]
         for ok, name, rule in checks:

@@ -71,6 +71,7 @@ def plan_repack(
     nodes: Sequence[Hashable] | None = None,
     reference_stages: int | None = None,
     model: StepModel | None = None,
+    speeds: Sequence[float] | None = None,
 ) -> RepackPlan | None:
     """The smallest consolidation predicted within ``tolerance`` of the current step time, or ``None``.
 
@@ -93,6 +94,10 @@ def plan_repack(
             pipeline): consolidations one after another then never add up to more than ``tolerance`` (relative to
             the current step time, each would allow ``tolerance`` more). ``None``: relative to the current step time.
         model: the step model of these costs and timing, to reuse its memoised makespans (made here when omitted).
+        speeds: each current rank's relative speed (``None``: all alike). The kept ranks are then the fastest ones
+            (rank 0 always among them; with ``nodes``, the fastest of the fewest whole nodes), each new stage's
+            time is its costs over its rank's speed, and the release names the slowest processes: a straggler is
+            what a consolidation gives back first (see :func:`_plan_with_speeds`).
 
     Returns:
         The plan with the fewest stages (fewer than now), or ``None`` when no smaller pipeline is fast enough.
@@ -108,7 +113,13 @@ def plan_repack(
     if nodes is not None and len(nodes) != len(current):
         raise ValueError(f"nodes has {len(nodes)} entries for {len(current)} ranks: give one node per rank")
     if model is None:
-        model = StepModel(fwd, bwd, n_microbatches, schedule, p2p, wgt=wgt)
+        model = StepModel(fwd, bwd, n_microbatches, schedule, p2p, wgt=wgt, speeds=speeds)
+    if speeds is not None and len(set(speeds)) > 1:
+        if len(speeds) != len(current):
+            raise ValueError(f"speeds has {len(speeds)} entries for {len(current)} ranks: give one speed per rank")
+        model = model.with_speeds(speeds)
+        return _plan_with_speeds(model, current, list(speeds), tolerance, min_stages, layer_bytes, memory, capacity,
+                                 nodes, reference_stages)  # fmt: skip
     now = model(current)
     bar = (1 + tolerance) * now
     if reference_stages is not None:
@@ -126,6 +137,71 @@ def plan_repack(
         if predicted <= bar:
             return _plan_on_ranks(current, proposed, layer_bytes, nodes, predicted, now)
     return None
+
+
+def _plan_with_speeds(
+    model: StepModel,
+    current: list[int],
+    speeds: list[float],
+    tolerance: float,
+    min_stages: int,
+    layer_bytes: Sequence[float],
+    memory: Sequence[float] | None,
+    capacity: float | Sequence[float] | None,
+    nodes: Sequence[Hashable] | None,
+    reference_stages: int | None,
+) -> RepackPlan | None:
+    """:func:`plan_repack` on ranks of different speeds: for each stage count, the fastest ranks that can run it.
+
+    Which ranks: rank 0 and the fastest others (with ``nodes``: of each candidate set of the fewest whole nodes, the
+    fastest ranks on them, and the set whose split is fastest); the split is planned for their speeds. A stage count
+    is taken when its makespan is within ``tolerance`` of the reference, as without speeds; among equally fast rank
+    sets the one that moves the fewest bytes.
+    """
+    now = model(current)
+    bar = (1 + tolerance) * now
+    if reference_stages is not None:
+        n_ref = max(1, min(reference_stages, model.n_layers))
+        reference = best_split(model.for_ranks(n_ref), n_ref)
+        assert reference is not None  # no memory limit: every stage count up to the layers is feasible
+        bar = (1 + tolerance) * reference[0]
+    for n_stages in range(min_stages, len(current)):
+        found: tuple[float, float, list[int], list[int]] | None = None
+        for keep in _fastest_ranks(speeds, n_stages, nodes):
+            best = best_split(model.with_speeds([speeds[r] for r in keep]), n_stages, memory=memory,
+                              capacity=capacity)  # fmt: skip
+            if best is None or best[0] > bar:
+                continue
+            _, moved = _keep_ranks(current, best[1], layer_bytes, set(keep))
+            if found is None or (best[0], moved) < found[:2]:
+                found = (best[0], moved, best[1], keep)
+        if found is not None:
+            predicted, moved, proposed, keep = found
+            freed = [] if nodes is None else list(dict.fromkeys(n for n in nodes if n not in {nodes[r] for r in keep}))
+            return RepackPlan(proposed, keep, predicted, now, moved, freed)
+    return None
+
+
+def _fastest_ranks(speeds: list[float], n_keep: int, nodes: Sequence[Hashable] | None) -> list[list[int]]:
+    """Candidate rank sets (ascending, rank 0 first) of ``n_keep`` ranks: the fastest, on the fewest whole nodes."""
+
+    def fastest(allowed: Sequence[int]) -> list[int]:
+        others = sorted((r for r in allowed if r != 0), key=lambda r: (-speeds[r], r))
+        return sorted([0, *others[: n_keep - 1]])
+
+    if nodes is None:
+        return [fastest(range(len(speeds)))]
+    ranks_on: dict[Hashable, list[int]] = {}
+    for r, node in enumerate(nodes):
+        ranks_on.setdefault(node, []).append(r)
+    home, others = nodes[0], [n for n in ranks_on if n != nodes[0]]
+    for k in range(len(others) + 1):  # the fewest nodes that hold enough ranks, rank 0's among them
+        sets = [c for c in itertools.islice(itertools.combinations(others, k), MAX_NODE_SETS)
+                if len(ranks_on[home]) + sum(len(ranks_on[n]) for n in c) >= n_keep]  # fmt: skip
+        if sets:
+            candidates = {tuple(fastest([r for n in (home, *c) for r in ranks_on[n]])) for c in sets}
+            return [list(c) for c in sorted(candidates)]
+    return [fastest(range(len(speeds)))]
 
 
 def _check_settings(tolerance: float, min_stages: int) -> None:

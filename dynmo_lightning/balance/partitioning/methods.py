@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from dynmo_lightning.balance.diffusion.driver import diffuse
 from dynmo_lightning.balance.partitioning.optimal import optimal_split
-from dynmo_lightning.balance.split.checks import as_capacities, as_stage_count, as_values
+from dynmo_lightning.balance.split.checks import as_capacities, as_speeds, as_stage_count, as_values
 
 METHODS = ("optimal", "uniform", "params", "static_time", "diffusion")
 
@@ -23,6 +25,7 @@ def partition(
     method: str = "optimal",
     memory: Sequence[float] | None = None,
     capacity: float | Sequence[float] | None = None,
+    speeds: Sequence[float] | None = None,
 ) -> list[int]:
     """Split layers into contiguous pipeline stages.
 
@@ -52,6 +55,10 @@ def partition(
         method: one of :data:`METHODS`.
         memory: memory each layer needs; requires ``capacity``.
         capacity: memory a stage may hold: one number for all stages or one per stage; requires ``memory``.
+        speeds: relative speed of the process running each stage (one per stage; a stage's time is its cost sum
+            over its speed: 0.5 takes twice as long), for ``"optimal"``, ``"params"`` and ``"static_time"``, which
+            then minimise the largest stage *time*; ``None``: every process alike. ``"uniform"`` ignores them and
+            ``"diffusion"`` refuses them (its stages plan from costs alone).
 
     Returns:
         Layers per stage: ``n_stages`` integers, each at least 1, summing to ``len(costs)``; stage ``i`` holds the
@@ -68,8 +75,11 @@ def partition(
     values = as_values(costs, "costs")
     count = as_stage_count(n_stages, values.size)
     limits = as_capacities(memory, capacity, values.size, count)
+    rates = None if speeds is None else as_speeds(speeds, count)
     if method == "uniform":
         return _uniform(values.size, count)
     if method == "diffusion":
+        if rates is not None and not np.all(rates == rates[0]):
+            raise ValueError("method='diffusion' plans from costs alone: drop speeds, or use method='optimal'")
         return diffuse(values, _uniform(values.size, count), memory=memory, capacity=capacity).layers_per_stage
-    return optimal_split(values, count, limits)
+    return optimal_split(values, count, limits, rates)

@@ -18,14 +18,25 @@ from dynmo_lightning.balance.split.loads import prefix_sums
 
 
 class _Plan:
-    """One partitioning problem: prefix sums, memory reaches and the two feasibility probes."""
+    """One partitioning problem: prefix sums, memory reaches and the two feasibility probes.
 
-    def __init__(self, costs: np.ndarray, room: MemoryRoom) -> None:
+    With ``speeds`` (one per stage) a block ``[s, e)`` on stage ``k`` takes ``(prefix[e] - prefix[s]) / speeds[k]``:
+    still monotone in the block, so every argument below holds with that stage time in place of the block sum.
+    """
+
+    def __init__(self, costs: np.ndarray, room: MemoryRoom, speeds: np.ndarray | None = None) -> None:
         self.n = costs.size
         self.prefix = prefix_sums(costs)
         self._prefix = self.prefix.tolist()
         self.room = room
+        self.speeds = speeds
         self._last_split: tuple[float, list[int] | None] | None = None
+
+    def _reaches(self, bound: float) -> list[np.ndarray]:
+        """Per stage, the furthest end within the bound and its memory capacity from each start."""
+        assert self.speeds is not None
+        by_speed = {v: reach(self.prefix, bound, v) for v in set(self.speeds.tolist())}
+        return [np.minimum(by_speed[v], room) for v, room in zip(self.speeds.tolist(), self.room.ends, strict=True)]
 
     def probe_relaxed(self, bound: float) -> tuple[bool, float]:
         """Greedy feasibility of splits that may leave stages empty.
@@ -71,7 +82,11 @@ class _Plan:
         """
         # The final split is usually asked for at the bound the last probe just tested.
         if self._last_split is None or self._last_split[0] != bound:
-            self._last_split = (bound, greedy_walk(block_tails(reach(self.prefix, bound), self.room.ends)))
+            if self.speeds is None:
+                tails = block_tails(reach(self.prefix, bound), self.room.ends)
+            else:
+                tails = block_tails(np.full(self.n + 1, self.n), self._reaches(bound))
+            self._last_split = (bound, greedy_walk(tails))
         return self._last_split[1]
 
     def probe(self, bound: float) -> tuple[bool, float]:
@@ -88,12 +103,27 @@ class _Plan:
         sizes = self.split(bound)
         if sizes is not None:
             ends = np.cumsum(sizes)
-            return True, float(np.max(self.prefix[ends] - self.prefix[ends - sizes]))
+            times = self.prefix[ends] - self.prefix[ends - sizes]
+            return True, float(np.max(times if self.speeds is None else times / self.speeds))
+        if self.speeds is not None:
+            return False, self._least_above(bound)
         cost_reach = reach(self.prefix, bound)
         open_starts = np.flatnonzero(cost_reach < self.n)
         if open_starts.size == 0:
             return False, math.inf
         return False, float(np.min(self.prefix[cost_reach[open_starts] + 1] - self.prefix[open_starts]))
+
+    def _least_above(self, bound: float) -> float:
+        """With speeds: the least stage time above ``bound`` of a block one layer longer than a stage may take."""
+        assert self.speeds is not None
+        least = math.inf
+        for v in set(self.speeds.tolist()):
+            cost_reach = reach(self.prefix, bound, v)
+            open_starts = np.flatnonzero(cost_reach < self.n)
+            if open_starts.size:
+                longer = self.prefix[cost_reach[open_starts] + 1] - self.prefix[open_starts]
+                least = min(least, float(np.min(longer / v)))
+        return least
 
 
 def _least_bound(search: BoundSearch, probe: Callable[[float], tuple[bool, float]]) -> float:
@@ -102,7 +132,12 @@ def _least_bound(search: BoundSearch, probe: Callable[[float], tuple[bool, float
     return search.hi
 
 
-def optimal_split(costs: np.ndarray, n_stages: int, limits: tuple[np.ndarray, np.ndarray] | None) -> list[int]:
+def optimal_split(
+    costs: np.ndarray,
+    n_stages: int,
+    limits: tuple[np.ndarray, np.ndarray] | None,
+    speeds: np.ndarray | None = None,
+) -> list[int]:
     """Contiguous split minimising the largest stage cost, exactly; see :func:`~dynmo_lightning.balance.partition`.
 
     Why it is optimal: feasibility of a bound is monotone in the bound, and the optimum is one of the block sums.
@@ -119,6 +154,10 @@ def optimal_split(costs: np.ndarray, n_stages: int, limits: tuple[np.ndarray, np
         costs: checked per-layer costs.
         n_stages: checked number of stages (at most the number of layers).
         limits: ``(per-layer memory, per-stage capacity)`` or ``None``.
+        speeds: the relative speed of the process running each stage (a stage's time is its cost sum over its
+            speed), or ``None``: all alike. With speeds that differ, the greedy of empty stages proves nothing (a
+            layer moved into an empty slow stage can exceed the bound), so the exact programme searches alone,
+            from the bound every split must reach (the total over the summed speeds).
 
     Returns:
         Layers per stage.
@@ -129,7 +168,16 @@ def optimal_split(costs: np.ndarray, n_stages: int, limits: tuple[np.ndarray, np
     """
     room = MemoryRoom(limits, costs.size, n_stages)
     room.require_fit()
-    plan = _Plan(costs, room)
+    if speeds is not None and np.all(speeds == speeds[0]):
+        speeds = None  # a common speed scales every stage alike: the same splits are optimal
+    plan = _Plan(costs, room, speeds)
+    if speeds is not None:
+        lower = float(plan.prefix[-1]) / float(np.sum(speeds))
+        slowest = float(np.max(np.diff(plan.prefix))) / float(np.min(speeds))
+        bound = _least_bound(BoundSearch(lower, (lower, lower + slowest)), plan.probe)
+        sizes = plan.split(bound)
+        assert sizes is not None, "the bound came from a feasible probe"
+        return sizes
     single = float(np.max(np.diff(plan.prefix)))
     balanced = max(single, float(plan.prefix[-1]) / n_stages)
     # Without limits the optimum lies in [total / P, total / P + largest layer]: good first guesses.

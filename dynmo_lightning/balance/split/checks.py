@@ -129,3 +129,19 @@ def as_capacities(
         i = int(bad[0])
         raise ValueError(f"capacity of stage {i} is {caps[i]}: capacities must be >= 0 (inf means unlimited)")
     return mem, caps
+
+
+def as_speeds(speeds: Sequence[float], n_stages: int) -> np.ndarray:
+    """Check per-stage speeds (the relative speed of the process running each stage).
+
+    Raises:
+        ValueError: not one per stage, or an entry that is not a finite number above 0.
+    """
+    rates = np.asarray(speeds, dtype=np.float64)
+    if rates.ndim != 1 or rates.size != n_stages:
+        raise ValueError(f"speeds has {rates.size} entries for {n_stages} stages: give one speed per stage")
+    bad = np.flatnonzero(~np.isfinite(rates) | (rates <= 0))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"speed of stage {i} is {rates[i]}: speeds must be finite and > 0 (1: the reference)")
+    return rates

@@ -19,25 +19,28 @@ class InfeasibleMemoryError(ValueError):
     """No contiguous split keeps every stage within its memory capacity with at least one layer per stage."""
 
 
-def reach(prefix: np.ndarray, bound: float) -> np.ndarray:
-    """Furthest end of a block starting at each layer whose sum stays within a bound.
+def reach(prefix: np.ndarray, bound: float, speed: float = 1.0) -> np.ndarray:
+    """Furthest end of a block starting at each layer whose sum (over ``speed``) stays within a bound.
 
     Args:
         prefix: running sums with a leading zero (see :func:`~dynmo_lightning.balance.split.loads.prefix_sums`).
-        bound: largest allowed block sum.
+        bound: largest allowed block time.
+        speed: the speed of the process running the block: its time is its sum over the speed (1: the sum).
 
     Returns:
-        Integer array ``r`` with ``r[s]`` the largest ``e >= s`` such that ``prefix[e] - prefix[s] <= bound``.
+        Integer array ``r`` with ``r[s]`` the largest ``e >= s`` such that ``(prefix[e] - prefix[s]) / speed <=
+        bound``, computed exactly in that float arithmetic (the planner's bottleneck is the same expression).
 
     """
     n = prefix.size - 1
     if bound == math.inf:
         return np.full(n + 1, n)
-    # Find, per start, the largest float x with x - prefix[s] <= bound; a rounded prefix + bound can be an ulp off.
-    limit = prefix + bound
-    while (above := limit - prefix > bound).any():
+    # Find, per start, the largest float x with (x - prefix[s]) / speed <= bound (monotone in x); a rounded
+    # prefix + bound * speed can be an ulp off. Dividing by 1.0 is exact, so without speeds this is the plain sum.
+    limit = prefix + bound * speed
+    while (above := (limit - prefix) / speed > bound).any():
         limit[above] = np.nextafter(limit[above], -np.inf)
-    while (room := np.nextafter(limit, np.inf) - prefix <= bound).any():
+    while (room := (np.nextafter(limit, np.inf) - prefix) / speed <= bound).any():
         limit[room] = np.nextafter(limit[room], np.inf)
     return np.searchsorted(prefix, limit, side="right") - 1
 

@@ -24,6 +24,7 @@ larger problems it is a local optimum of the makespan that is never worse than t
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Sequence
@@ -59,6 +60,10 @@ class StepModel:
         p2p: time of one hop between ranks.
         wgt: weight-gradient part of each layer's backward (zero-bubble ``W`` tasks); ``None``: 0.
         stages_per_rank: stages each rank holds.
+        speeds: relative speed of each rank (0.5: every task of its stages takes twice its measured-at-reference
+            time), for splits over exactly that many ranks; ``None``: every rank alike. The costs are at the
+            reference speed (1), as the policy's tracker normalises them
+            (:class:`~dynmo_lightning.balance.decision.speeds.ProcessSpeeds`).
     """
 
     def __init__(
@@ -71,9 +76,11 @@ class StepModel:
         *,
         wgt: Sequence[float] | None = None,
         stages_per_rank: int = 1,
+        speeds: Sequence[float] | None = None,
     ) -> None:
         if len(fwd) != len(bwd) or (wgt is not None and len(wgt) != len(fwd)):
             raise ValueError(f"{len(fwd)} forward and {len(bwd)} backward times: give one of each per layer")
+        self.speeds = _checked_speeds(speeds)
         self.n_layers = len(fwd)
         self.n_microbatches = n_microbatches
         self.schedule = schedule
@@ -87,10 +94,43 @@ class StepModel:
         #: Plans of :func:`makespan_split` on these costs, by its arguments.
         self.plans: dict[tuple[Any, ...], tuple[float, list[int]] | None] = {}
 
+    def with_speeds(self, speeds: Sequence[float] | None) -> StepModel:
+        """The same costs and schedule on ranks of ``speeds`` (a pipeline of other processes, e.g. after a repack)."""
+        other = copy.copy(self)
+        other.speeds = _checked_speeds(speeds)
+        other._memo, other.plans = {}, {}
+        return other
+
+    def for_ranks(self, n_ranks: int) -> StepModel:
+        """This model for a pipeline of ``n_ranks`` ranks.
+
+        The first ranks keep their speeds; added ranks are unmeasured (the reference speed, 1).
+        """
+        if self.speeds is None or len(self.speeds) == n_ranks:
+            return self
+        return self.with_speeds((self.speeds + [1.0] * n_ranks)[:n_ranks])
+
+    def stage_speeds(self, n_stages: int) -> list[float] | None:
+        """The speed of the rank running each of ``n_stages`` stages (``None``: all alike)."""
+        if self.speeds is None:
+            return None
+        n_ranks = n_stages // self.stages_per_rank
+        if n_ranks != len(self.speeds) or n_stages % self.stages_per_rank:
+            raise ValueError(
+                f"a split of {n_stages} stages runs on {n_ranks} ranks, the model has speeds of {len(self.speeds)}: "
+                "give one speed per rank of the pipeline planned (StepModel.with_speeds)"
+            )
+        ranks = stage_ranks(self.schedule, n_ranks, self.stages_per_rank)
+        return [self.speeds[r] for r in ranks]
+
     def stage_times(self, split: Sequence[int]) -> tuple[list[float], list[float], list[float]]:
-        """Per-stage forward, backward and weight-part sums of ``split``."""
+        """Per-stage forward, backward and weight-part times of ``split`` (sums over the stage's rank's speed)."""
         bounds = np.concatenate([[0], np.cumsum(split)]).astype(int)
-        return tuple(np.diff(p[bounds]).tolist() for p in self._prefix)  # type: ignore[return-value]
+        sums = [np.diff(p[bounds]) for p in self._prefix]
+        rates = self.stage_speeds(len(split))
+        if rates is not None:
+            sums = [v / np.asarray(rates) for v in sums]
+        return tuple(v.tolist() for v in sums)  # type: ignore[return-value]
 
     def __call__(self, split: Sequence[int]) -> float:
         """The makespan of ``split`` (memoised: the planner and the policy ask for the same splits again)."""
@@ -119,6 +159,16 @@ class StepModel:
             *as_columns,
             self.p2p,
         )[0]
+
+
+def _checked_speeds(speeds: Sequence[float] | None) -> list[float] | None:
+    """Per-rank speeds as floats (``None`` when absent or all alike: a common speed changes no choice)."""
+    if speeds is None:
+        return None
+    rates = [float(v) for v in speeds]
+    if not all(math.isfinite(v) and v > 0 for v in rates):
+        raise ValueError(f"speeds={rates}: every rank's speed must be finite and > 0 (1: the reference)")
+    return None if len(set(rates)) <= 1 and rates and rates[0] == 1.0 else rates
 
 
 @functools.lru_cache(maxsize=256)
@@ -201,20 +251,20 @@ class _Fit:
             return True
         return self.prefix[end] - self.prefix[start] <= self.caps[stage]
 
-    def seed(self, costs: Sequence[float]) -> list[int] | None:
-        """The bottleneck-optimal split that fits (``None``: no split fits)."""
+    def seed(self, costs: Sequence[float], speeds: Sequence[float] | None = None) -> list[int] | None:
+        """The bottleneck-optimal split that fits, each stage's time its cost over ``speeds`` (``None``: none fits)."""
         try:
             if self.check is None:
                 return list(partition(costs, self.n_stages, method="optimal", memory=self.memory,
-                                      capacity=self.capacity))  # fmt: skip
+                                      capacity=self.capacity, speeds=speeds))  # fmt: skip
         except InfeasibleMemoryError:
             return None
-        seed = list(partition(costs, self.n_stages, method="optimal"))
+        seed = list(partition(costs, self.n_stages, method="optimal", speeds=speeds))
         return seed if self.check is None or self.check.fits(seed) else self.check.feasible(self.n_stages)
 
 
 def _search(model: StepModel, n_stages: int, fit: _Fit, start: Sequence[int] | None) -> tuple[float, list[int]] | None:
-    seed = fit.seed(model.costs)
+    seed = fit.seed(model.costs, model.stage_speeds(n_stages))
     if seed is None:
         if fit.check is None:
             return None  # the bottleneck partitioner proved that no split fits
@@ -245,8 +295,8 @@ def _rank_seed(model: StepModel, n_stages: int) -> list[int] | None:
     The bottleneck-optimal seed balances stages; a rank running two of them can hold two of the largest, and one-layer
     moves do not climb out of that (every rank near the top must drop at once for the makespan to drop).
     """
-    if model.stages_per_rank != 2:
-        return None
+    if model.stages_per_rank != 2 or model.speeds is not None:
+        return None  # with speeds that differ the climb from the speed-aware bottleneck seed and the search remain
     fwd = np.diff(model._prefix[0]).tolist()
     return rank_split(fwd, model.costs, n_stages // 2, model.n_microbatches, model.schedule)
 
@@ -283,9 +333,14 @@ def _branch_and_bound(
     pf, pb, pw = (p.tolist() for p in model._prefix)
     cost = [f + b for f, b in zip(pf, pb, strict=True)]
     first = [ranks.index(r) for r in range(n_ranks)]
+    # With speeds a rank's work takes its cost over its speed; what runs on other ranks before its first stage is
+    # bounded by the fastest speed, and the open ranks share the rest in proportion to their speeds.
+    speed = model.speeds or [1.0] * n_ranks
+    fastest = max(speed)
     # With one stage per rank the last backward of a stage still crosses the stages before it (lower_bound's tail).
     single = n_ranks == n_stages
     open_ranks = [sorted(set(ranks[k + 1 :])) for k in range(n_stages)]
+    open_speed = [sum(speed[q] for q in open_r) for open_r in open_ranks]
     nodes, sims = 0, len(model._memo) + SIM_BUDGET
     split: list[int] = []
     load = [0.0] * n_ranks
@@ -299,14 +354,14 @@ def _branch_and_bound(
             if fit.limited and not fit.stage(stage, start, end):
                 break
             add = cost[end] - cost[start]
-            own = pf[first[r]] + m * (load[r] + add)
+            own = pf[first[r]] / fastest + m * (load[r] + add) / speed[r]
             if single and pw[end] == pw[start]:
-                own += pb[start] - pw[start]
+                own += (pb[start] - pw[start]) / fastest
             if own >= bar:
                 break  # a longer stage only adds to this rank
             if left:
                 fixed = sum(load[q] for q in open_ranks[stage]) + (add if r in open_ranks[stage] else 0.0)
-                if m * (fixed + cost[n_layers] - cost[end]) / len(open_ranks[stage]) >= bar:
+                if m * (fixed + cost[n_layers] - cost[end]) / open_speed[stage] >= bar:
                     continue
             ends.append(end)
         return ends

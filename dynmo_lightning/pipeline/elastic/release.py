@@ -55,6 +55,9 @@ class ReleaseEvent:
         kept_nodes: names of the nodes the survivors run on, in the order of their new node ranks.
         world_size_before: processes before the release.
         world_size_after: processes after it.
+        slow_pipeline_ranks: the released pipeline ranks (of the pipeline before) that were measured slow, with
+            their relative speed (1: the fastest process): stragglers a job manager may want to replace. With
+            replicas a pipeline rank's speed is its slowest replica's.
     """
 
     step: int
@@ -64,6 +67,7 @@ class ReleaseEvent:
     kept_nodes: list[str]
     world_size_before: int
     world_size_after: int
+    slow_pipeline_ranks: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         """The event as one JSON object (what ``"command"`` handlers read on their standard input)."""
@@ -134,6 +138,9 @@ class SlurmRelease:
         job = self.job_id or os.environ.get("SLURM_JOB_ID")
         if not job:
             raise RuntimeError("balancer.release_to=slurm outside a Slurm job: SLURM_JOB_ID is not set")
+        if event.slow_pipeline_ranks:  # stragglers: what an operator may want to drain or replace
+            log.warning("DynMo release: slow processes released (pipeline rank: speed) %s, on hosts %s",
+                        event.slow_pipeline_ranks, event.released_hosts)  # fmt: skip
         if not event.freed_nodes:
             log.info("DynMo release: no whole node is free (ranks %s left), the Slurm job keeps its nodes",
                      event.released_ranks)  # fmt: skip

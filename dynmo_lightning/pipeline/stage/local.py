@@ -35,7 +35,7 @@ from dynmo_lightning.pipeline.stage.slots import LayerSlots
 from dynmo_lightning.pipeline.stage.ties import TiedParameters
 from dynmo_lightning.pipeline.topology.mesh import PipelineGroup
 from dynmo_lightning.pipeline.topology.world import FixedWorld, StageWorld
-from dynmo_lightning.profiling import release_cached_memory
+from dynmo_lightning.profiling import calibration_seconds, release_cached_memory
 from dynmo_lightning.recompute import Policy
 
 
@@ -272,7 +272,9 @@ class LocalStages:
         """
         if self.runtime.profiler.active:
             local = self.runtime.profiler.stop()
-            self._profiled = reduce.gather_costs(local, self.slots, optimizer, self.pipe, replicas, self.sharding)
+            probe = calibration_seconds(self.device)  # this process's speed now, beside its layers' times
+            self._profiled = reduce.gather_costs(local, self.slots, optimizer, self.pipe, replicas, self.sharding,
+                                                 probe)  # fmt: skip
         return self._profiled
 
     def layers_changed(self, step: int, layers: Sequence[int] | None) -> None:

@@ -363,6 +363,7 @@ def gather_costs(
     pipe: PipelineGroup,
     replicas: tuple[dist.ProcessGroup, int] | None = None,
     sharding: StageSharding | None = None,
+    probe_s: float | None = None,
 ) -> dict[int, dict[str, float]]:
     """Every layer's measured costs and memory, on every process (collective over the pipeline and its replicas).
 
@@ -377,6 +378,11 @@ def gather_costs(
         sharding: how the stage holds its layers; the gradients and gathered weights a step holds follow it
             (:meth:`~dynmo_lightning.pipeline.parallel.data_parallel.StageSharding.step_bytes`; ``None``: this process's
             gradients).
+        probe_s: this process's calibration kernel time of the step
+            (:func:`~dynmo_lightning.profiling.calibration_seconds`): every layer then carries it as ``probe_s``
+            with its ``pp_rank``, and across replicas each time is averaged as a multiple of its own process's
+            kernel time and carried at the slowest replica's kernel time (the gradient sync makes every replica
+            wait for the slowest).
     """
     mine = {}
     for i, cost in local.items():
@@ -385,6 +391,8 @@ def gather_costs(
         mine[i] = {**dataclasses.asdict(cost), "param_bytes": params, "grad_bytes": grads, "optim_bytes": optim}
         if sharding is not None:
             mine[i] |= sharding.step_bytes(layer)
+        if probe_s is not None:
+            mine[i] |= {"probe_s": probe_s, "pp_rank": float(pipe.rank)}
     parts: list[Any] = [None] * pipe.size
     with on_host():  # host data: on the CPU group
         dist.all_gather_object(parts, mine, group=pipe.control)
@@ -393,8 +401,25 @@ def gather_costs(
         group, n = replicas
         gathered: list[Any] = [None] * n
         dist.all_gather_object(gathered, costs, group=group)
-        costs = {i: {k: sum(r[i][k] for r in gathered) / n for k in costs[i]} for i in sorted(costs)}
+        costs = {i: _across_replicas([r[i] for r in gathered]) for i in sorted(costs)}
     return costs
+
+
+#: Measured times: across replicas they are averaged in units of each process's calibration kernel time.
+_TIMES = ("fwd", "bwd", "bwd_weight")
+
+
+def _across_replicas(rows: list[dict[str, float]]) -> dict[str, float]:
+    """One layer's measurements of its replicas as one: means, times at the slowest replica's speed."""
+    n = len(rows)
+    out = {k: sum(r[k] for r in rows) / n for k in rows[0]}
+    if all(r.get("probe_s", 0) > 0 for r in rows):
+        slowest = max(r["probe_s"] for r in rows)
+        for k in _TIMES:
+            if k in out:
+                out[k] = slowest * sum(r[k] / r["probe_s"] for r in rows) / n
+        out["probe_s"], out["pp_rank"] = slowest, rows[0]["pp_rank"]
+    return out
 
 
 def _on_device(cache: dict[tuple[tuple[Any, ...], torch.device], Tensor], values: tuple[Any, ...], dtype: torch.dtype,
