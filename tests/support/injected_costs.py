@@ -31,9 +31,7 @@ def structural(measured: dict[int, dict[str, float]], *, tail_scale: float = 1.0
     }
 
 
-def slowed(
-    measured: dict[int, dict[str, float]], rank: int, factor: float, on: bool
-) -> dict[int, dict[str, float]]:
+def slowed(measured: dict[int, dict[str, float]], rank: int, factor: float, on: bool) -> dict[int, dict[str, float]]:
     """The measurements as if pipeline rank ``rank`` ran ``factor`` times slower (when ``on``): its layers' times and
     its calibration kernel's time (``probe_s``) times ``factor``; every other process's kernel takes 1 s."""
     out = {}
