@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from dynmo_lightning import DynMoBalancer, DynMoStrategy
 from dynmo_lightning.balance import StepModel, makespan_split, partition
+from dynmo_lightning.balance.decision.speeds import ProcessSpeeds
+from dynmo_lightning.bench.faults import SlowProcess, parse_straggler
 from dynmo_lightning.callbacks import GradualPruning, LayerFreezing, TokenEarlyExit
 from dynmo_lightning.data import StdlibCharDataModule
 from dynmo_lightning.launch import backend_device, fresh_world
@@ -36,19 +38,26 @@ from dynmo_lightning.models import GPT
 from dynmo_lightning.profiling import DeviceClock
 
 
-def real_preset(dynamic: str, n_layers: int) -> L.Callback | None:
-    """The dynamic of a real A/B case: the techniques of the timeline presets, acting within the first 60 steps."""
+def real_preset(dynamic: str, n_layers: int, overrides: dict[str, Any] | None = None) -> L.Callback | None:
+    """The dynamic of a real A/B case: the techniques of the timeline presets, acting within the first 60 steps.
+
+    ``overrides`` replaces some of the preset's settings (e.g. a later early-exit ramp,
+    :mod:`~dynmo_lightning.bench.straggler_real`); the presets themselves stay as the committed runs measured them.
+    """
     if dynamic == "none":
         return None
     if dynamic == "freezing":  # AutoFreeze freezes a growing prefix window by window: 7 of 12 layers in two windows
         frozen = (7 * n_layers) // 12
         schedule = {i: 10 if i < frozen // 2 else 25 for i in range(frozen)}
-        return LayerFreezing(mode="schedule", schedule=schedule, start_step=0)
-    if dynamic == "pruning":  # cubic schedule to 80 % of neurons and heads ranked across layers, after training a bit
-        return GradualPruning(final_sparsity=0.8, start_step=40, end_step=60, every_n_steps=4)
-    if dynamic == "early_exit":  # saturation exits after a quarter of the blocks, threshold ramped in 10 steps
-        return TokenEarlyExit(threshold=0.9, warmup_steps=5, ramp_steps=10, min_layers=max(1, (n_layers - 2) // 4))
-    raise ValueError(f"no real A/B preset for dynamic {dynamic!r}: use freezing, pruning, early_exit or none")
+        kind, kw = LayerFreezing, {"mode": "schedule", "schedule": schedule, "start_step": 0}
+    elif dynamic == "pruning":  # cubic schedule to 80 % of neurons and heads ranked across layers, after a while
+        kind, kw = GradualPruning, {"final_sparsity": 0.8, "start_step": 40, "end_step": 60, "every_n_steps": 4}
+    elif dynamic == "early_exit":  # saturation exits after a quarter of the blocks, threshold ramped in 10 steps
+        kind, kw = TokenEarlyExit, {"threshold": 0.9, "warmup_steps": 5, "ramp_steps": 10,
+                                    "min_layers": max(1, (n_layers - 2) // 4)}  # fmt: skip
+    else:
+        raise ValueError(f"no real A/B preset for dynamic {dynamic!r}: use freezing, pruning, early_exit or none")
+    return kind(**(kw | (overrides or {})))
 
 
 class Window(L.Callback):
@@ -84,23 +93,44 @@ class WindowCosts(L.Callback):
     def __init__(self, balancer: DynMoBalancer, start: int) -> None:
         self.balancer, self.start = balancer, start
         self.samples: list[dict[int, dict[str, float]]] = []
+        self.in_force: list[list[float]] = []  # the balancer's speeds in force after each sample
+        self._seen: dict[int, dict[str, float]] | None = None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, b: Any, i: int) -> None:
         """Keep the step's measurement if the balancer profiled it and it lies in the window."""
         measured = self.balancer.last_measured
-        fresh = measured is not None and (not self.samples or measured is not self.samples[-1])
+        # a profile from before the window (all a one-shot policy ever takes) is no sample of it
+        fresh, self._seen = measured is not None and measured is not self._seen, measured
         if trainer.global_step - 1 >= self.start and fresh:
             self.samples.append(measured)
+            self.in_force.append(list(self.balancer.policy.speeds.in_force or []))
 
-    def mean(self) -> dict[str, Any] | None:
-        """Per-layer forward and backward seconds averaged over the window's profiles."""
+    def mean(self, normalised: bool = False) -> dict[str, Any] | None:
+        """Per-layer forward and backward seconds averaged over the window's profiles.
+
+        Args:
+            normalised: each sample's times as at the reference speed first (:meth:`ProcessSpeeds.normalise`: times
+                the kernel ratio of the process that ran the layer), so that a slow process's layers do not look
+                expensive; ``False``: as measured.
+        """
         if not self.samples:
             return None
-        n = len(self.samples[0])
-        fwd = [statistics.fmean(c[i]["fwd"] for c in self.samples) for i in range(n)]
-        bwd = [statistics.fmean(c[i]["bwd"] for c in self.samples) for i in range(n)]
-        wgt = [statistics.fmean(c[i].get("bwd_weight", 0.0) for c in self.samples) for i in range(n)]
-        return {"fwd": fwd, "bwd": bwd, "wgt": wgt, "samples": len(self.samples)}
+        samples = [ProcessSpeeds.normalise(c) for c in self.samples] if normalised else self.samples
+        n = len(samples[0])
+        fwd = [statistics.fmean(c[i]["fwd"] for c in samples) for i in range(n)]
+        bwd = [statistics.fmean(c[i]["bwd"] for c in samples) for i in range(n)]
+        wgt = [statistics.fmean(c[i].get("bwd_weight", 0.0) for c in samples) for i in range(n)]
+        return {"fwd": fwd, "bwd": bwd, "wgt": wgt, "samples": len(samples)}
+
+    def speeds(self) -> list[list[float]]:
+        """Every window sample's measured speed of each pipeline rank (fastest 1.0; ``[]``: no kernel times)."""
+        out = []
+        for c in self.samples:
+            probes = ProcessSpeeds.probes(c)
+            if probes:
+                fastest = min(probes.values())
+                out.append([fastest / probes[r] if r in probes else 1.0 for r in range(max(probes) + 1)])
+        return out
 
 
 def ideal_ratio(
@@ -110,6 +140,7 @@ def ideal_ratio(
     p2p: float,
     schedule: str = "1f1b",
     stages_per_rank: int = 1,
+    speeds: list[float] | None = None,
 ) -> float:
     """Step time of the uniform split over the best split's, both the makespan of the run's own schedule.
 
@@ -119,16 +150,33 @@ def ideal_ratio(
     the schedule's task order (:class:`~dynmo_lightning.balance.StepModel`, with the window's weight-gradient part
     of each layer's backward), and the best split is searched over every contiguous split when there are at most
     :data:`_EXHAUSTIVE` of them (P = 2: ``L - 1``), else it is :func:`~dynmo_lightning.balance.makespan_split`'s.
+    With ``speeds`` (each rank's relative speed; ``costs`` then at the reference speed) a rank's tasks take their
+    cost over its speed.
     """
+    uniform, best = ideal_makespans(costs, n_ranks, n_microbatches, p2p, schedule, stages_per_rank, speeds)
+    return uniform / best
+
+
+def ideal_makespans(
+    costs: dict[str, Any],
+    n_ranks: int,
+    n_microbatches: int,
+    p2p: float,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+    speeds: list[float] | None = None,
+) -> tuple[float, float]:
+    """The makespans of the uniform split and of the best split (arguments as :func:`ideal_ratio`'s)."""
     fwd, bwd = costs["fwd"], costs["bwd"]
-    model = StepModel(fwd, bwd, n_microbatches, schedule, p2p, wgt=costs.get("wgt"), stages_per_rank=stages_per_rank)
+    model = StepModel(fwd, bwd, n_microbatches, schedule, p2p, wgt=costs.get("wgt"), stages_per_rank=stages_per_rank,
+                      speeds=speeds)  # fmt: skip
     n_layers, n_stages = len(fwd), n_ranks * stages_per_rank
     if math.comb(n_layers - 1, n_stages - 1) <= _EXHAUSTIVE:
         cuts = itertools.combinations(range(1, n_layers), n_stages - 1)
         best = min(model([b - a for a, b in itertools.pairwise((0, *c, n_layers))]) for c in cuts)
     else:
         best = makespan_split(model, n_stages)[0]  # type: ignore[index]
-    return model(partition(model.costs, n_stages, method="uniform")) / best
+    return model(partition(model.costs, n_stages, method="uniform")), best
 
 
 #: Most contiguous splits :func:`ideal_ratio` simulates one by one.
@@ -162,7 +210,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 def _case_callbacks(
     case: dict[str, Any], window: Window, n_layers: int
 ) -> tuple[list[L.Callback], DynMoBalancer | None, WindowCosts | None]:
-    """A case's callbacks: the window, its dynamic and, under a policy other than uniform, the balancer.
+    """A case's callbacks: the window, its dynamic, its straggler and, under a policy other than uniform, the balancer.
 
     Args:
         case: the case.
@@ -173,9 +221,11 @@ def _case_callbacks(
         The callbacks, the balancer and the window's costs it profiled (both ``None`` under the uniform policy).
     """
     callbacks: list[L.Callback] = [window]
-    dynamic = real_preset(case["dynamic"], n_layers)
+    dynamic = real_preset(case["dynamic"], n_layers, case.get("preset"))
     if dynamic is not None:
         callbacks.append(dynamic)
+    if case.get("straggler"):  # one process made slow (``RANK:FACTOR[:FROM_STEP[:PATTERN[:PERIOD]]]``)
+        callbacks.append(SlowProcess(**parse_straggler(case["straggler"])))
     balancer = costs = None
     if case["policy"] != "uniform":
         balancer = DynMoBalancer(method=case["policy"], **case["balancer"])
@@ -212,6 +262,10 @@ def _balancer_result(balancer: DynMoBalancer, costs: WindowCosts) -> dict[str, A
     result: dict[str, Any] = {
         "profile_every_n_steps": balancer.policy.profile_every_n_steps,
         "window_costs": costs.mean(),
+        # a straggler's layers look expensive as measured: the costs at the reference speed, and the speeds
+        "window_costs_normalised": costs.mean(normalised=True),
+        "window_speeds": costs.speeds(),
+        "speeds_in_force": costs.in_force,
         "checks": [
             {k: h.get(k) for k in ("step", "current", "proposed", "migrated", "current_step_s", "predicted_step_s",
                                    "predicted_saving_s", "predicted_migration_s")}
