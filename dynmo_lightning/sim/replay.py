@@ -152,16 +152,27 @@ def simulate_run(
             entry = _on_processes(entry, run, [float(v) for v in speeds(k)], schedule)
         if balancer is not None:
             _profile(balancer, k, entry)
-        key = (*run.current, *entry["fwd"], *entry["bwd"], *entry.get("bwd_weight", ()))
-        if key not in simulated:
-            fwd, bwd, wgt = entry["fwd"], entry["bwd"], entry.get("bwd_weight")
-            simulated[key] = simulate_layers(
-                fwd, bwd, run.current, n_microbatches, schedule, p2p, layer_wgt=wgt, stages_per_rank=stages_per_rank
-            ).step_time
-        step_time = simulated[key]
-        loads = balance.stage_loads([f + b for f, b in zip(entry["fwd"], entry["bwd"], strict=True)], run.current)
-        run.step(entry["step"], step_time, balance.imbalance(loads))
+        _run_step(entry, run, simulated, n_microbatches, schedule, p2p)
     return run.result(policy if not repack else f"{policy}+repack")
+
+
+def _run_step(
+    entry: Mapping[str, Any],
+    run: _Recorder,
+    simulated: dict[tuple[Any, ...], float],
+    n_microbatches: int,
+    schedule: str,
+    p2p: float,
+) -> None:
+    """Time one trace step under the split in force (each distinct split and costs simulated once) and record it."""
+    key = (*run.current, *entry["fwd"], *entry["bwd"], *entry.get("bwd_weight", ()))
+    if key not in simulated:
+        fwd, bwd, wgt = entry["fwd"], entry["bwd"], entry.get("bwd_weight")
+        simulated[key] = simulate_layers(
+            fwd, bwd, run.current, n_microbatches, schedule, p2p, layer_wgt=wgt, stages_per_rank=run.stages_per_rank
+        ).step_time
+    loads = balance.stage_loads([f + b for f, b in zip(entry["fwd"], entry["bwd"], strict=True)], run.current)
+    run.step(entry["step"], simulated[key], balance.imbalance(loads))
 
 
 def _check_policy(policy: str, repack: bool, n_stages: int, stages_per_rank: int) -> tuple[str, bool]:

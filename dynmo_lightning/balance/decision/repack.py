@@ -113,13 +113,10 @@ def plan_repack(
     if nodes is not None and len(nodes) != len(current):
         raise ValueError(f"nodes has {len(nodes)} entries for {len(current)} ranks: give one node per rank")
     if model is None:
-        model = StepModel(fwd, bwd, n_microbatches, schedule, p2p, wgt=wgt, speeds=speeds)
+        model = StepModel(fwd, bwd, n_microbatches, schedule, p2p, wgt=wgt)
     if speeds is not None and len(set(speeds)) > 1:
-        if len(speeds) != len(current):
-            raise ValueError(f"speeds has {len(speeds)} entries for {len(current)} ranks: give one speed per rank")
-        model = model.with_speeds(speeds)
-        return _plan_with_speeds(model, current, list(speeds), tolerance, min_stages, layer_bytes, memory, capacity,
-                                 nodes, reference_stages)  # fmt: skip
+        return _plan_with_speeds(model, current, _per_rank(speeds, current), tolerance, min_stages, layer_bytes,
+                                 memory, capacity, nodes, reference_stages)  # fmt: skip
     now = model(current)
     bar = (1 + tolerance) * now
     if reference_stages is not None:
@@ -137,6 +134,12 @@ def plan_repack(
         if predicted <= bar:
             return _plan_on_ranks(current, proposed, layer_bytes, nodes, predicted, now)
     return None
+
+
+def _per_rank(speeds: Sequence[float], current: Sequence[int]) -> list[float]:
+    if len(speeds) != len(current):
+        raise ValueError(f"speeds has {len(speeds)} entries for {len(current)} ranks: give one speed per rank")
+    return [float(v) for v in speeds]
 
 
 def _plan_with_speeds(
@@ -158,6 +161,7 @@ def _plan_with_speeds(
     is taken when its makespan is within ``tolerance`` of the reference, as without speeds; among equally fast rank
     sets the one that moves the fewest bytes.
     """
+    model = model.with_speeds(speeds)
     now = model(current)
     bar = (1 + tolerance) * now
     if reference_stages is not None:
