@@ -59,8 +59,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from dynmo_lightning.bench import read_json, real, write_json
 from dynmo_lightning.bench.faults import parse_straggler
 
@@ -114,7 +112,7 @@ def check_spec(label: str, spec: dict[str, Any]) -> None:
 
 
 def build_cases(
-    r: DictConfig, out: Path, specs: dict[str, dict[str, Any]], labels: list[str], repeats: int,
+    r: Any, out: Path, specs: dict[str, dict[str, Any]], labels: list[str], repeats: int,
     policies: tuple[str, ...] = POLICIES,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """The cases of every repeat: per repeat, per case label, ``policies`` in turn (A B C A B C ...).
@@ -139,6 +137,8 @@ def build_cases(
         for label in labels:
             spec = specs[label]
             check_spec(label, spec)
+            from dynmo_lightning.bench.main import OmegaConf  # Hydra's module: imported here, not before
+
             cfg = OmegaConf.create({"real": {**OmegaConf.to_container(r), "steps": spec["steps"],
                                              "measure_from": spec["measure_from"]}})  # fmt: skip
             for case in _arm_cases(cfg, out, {**arm, "dynamics": [spec["dynamic"]]}, repeat):
@@ -279,9 +279,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def real_config(overrides: list[str]) -> DictConfig:
+def real_config(overrides: list[str]) -> Any:
     """``dynmo-bench``'s ``real`` config with :data:`REAL_OVERRIDES`, then ``overrides`` (dotted ``KEY=VALUE``)."""
-    from dynmo_lightning.bench.main import _CONF
+    from dynmo_lightning.bench.main import (
+        _CONF,
+        OmegaConf,  # Hydra's module: imported here, not before
+    )
 
     base = OmegaConf.load(_CONF / "config.yaml").real
     return OmegaConf.merge(base, OmegaConf.from_dotlist(REAL_OVERRIDES + list(overrides)))
@@ -296,6 +299,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     r, out = real_config(args.set), args.out
     labels = ["early_exit_late"] if args.early_exit else list(dict.fromkeys(args.cases))
     # every label keeps the command and the config it ran with (a later run into DIR may use others)
+    from dynmo_lightning.bench.main import OmegaConf  # Hydra's module: imported here, not before
+
     runs_with = {"command": command, "real": OmegaConf.to_container(r)}
     specs = {k: v | runs_with for k, v in case_specs(args).items() if k in labels}
     cases = build_cases(r, out, specs, labels, args.repeats, tuple(args.policies))
