@@ -16,7 +16,7 @@ SECONDS_PER_BYTE = 1e-6
 
 
 def structural(measured: dict[int, dict[str, float]], *, tail_scale: float = 1.0) -> dict[int, dict[str, float]]:
-    """The measurements with times replaced by the structural cost of each layer.
+    """The measurements with times replaced by the structural cost of each layer (every process at one speed).
 
     ``tail_scale``: layers after the first two cost this share (as if most tokens left the model after its first
     block, as under early exit).
@@ -26,6 +26,8 @@ def structural(measured: dict[int, dict[str, float]], *, tail_scale: float = 1.0
             **m,
             "fwd": (1.0 if i < 2 else tail_scale) * SECONDS_PER_BYTE * m["param_bytes"],
             "bwd": (1.0 if i < 2 else tail_scale) * 2 * SECONDS_PER_BYTE * m["grad_bytes"],
+            # every process alike unless a test makes one slow: the measured kernel times are timings too
+            "probe_s": 1.0,
         }
         for i, m in measured.items()
     }
