@@ -70,7 +70,11 @@ class ProcessSpeeds:
         estimate = [v / top for v in estimate]
         if self.in_force is not None and len(self.in_force) == n_ranks and not self._left_band(estimate):
             return False
-        changed = self.in_force is not None or any(v < 1.0 - self.tolerance for v in estimate)
+        # A new pipeline size (a repack or grow, adopted at different moments by different processes) is an event only
+        # when a process is slow: every process must decide alike whether a check is due.
+        changed = any(v < 1.0 - self.tolerance for v in estimate) or (
+            self.in_force is not None and len(self.in_force) == n_ranks
+        )
         self.in_force = estimate
         self.changes += int(changed)
         return changed
