@@ -77,6 +77,14 @@ class StrategySettings:
     reads them), ``"single"`` (one file gathered on rank 0) or ``"auto"`` (sharded when the pipeline has more than
     one stage, or under ``data_parallel="fsdp"``). Both formats load either way. Hydra sets it from
     ``checkpoint.format``."""
+    auto_resume: bool = True
+    """When the job manager restarted the job (torchrun's elastic agent, Slurm requeue), ``fit`` resumes from the
+    newest complete checkpoint in the run's checkpoint directories, on whatever world the restart gave, without a
+    ``ckpt_path`` (docs/reliability.md)."""
+    async_checkpoint: bool = False
+    """Write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``): a save copies the
+    stage's tensors to host memory and training goes on while a thread writes them; the checkpoint appears at its
+    name once every shard is written. The next save, a change of the world and the end of training wait for it."""
     activation_checkpointing: str | int | Policy | None = None
     """Recompute layers' activations in backward instead of keeping them: ``None`` (off), ``"all"``, ``k`` (every
     k-th layer) or ``(index, layer) -> bool`` (docs/activation_checkpointing.md)."""

@@ -36,12 +36,14 @@ from dynmo_lightning import callbacks
 from dynmo_lightning.pipeline.checkpoint import sharded
 from dynmo_lightning.pipeline.checkpoint import single_file as ckpt
 from dynmo_lightning.pipeline.elastic import survivors as groups
+from dynmo_lightning.pipeline.elastic.lifetimes import restart_store
 from dynmo_lightning.pipeline.parallel.data_parallel import FSDP_MODES, StageSharding
 from dynmo_lightning.pipeline.parallel.tensor_parallel import TensorParallel
 from dynmo_lightning.pipeline.stage.evaluation import PipelineEvaluation
 from dynmo_lightning.pipeline.stage.local import LocalStages
 from dynmo_lightning.pipeline.stage.reduce import GlobalNormClipping
 from dynmo_lightning.pipeline.stage.runtime import first_dim
+from dynmo_lightning.pipeline.topology import pending
 from dynmo_lightning.pipeline.topology.data import shard_dataloader
 from dynmo_lightning.pipeline.topology.world import World
 from dynmo_lightning.profiling import DeviceClock, release_host_memory
@@ -150,7 +152,10 @@ class DynMoStrategy(WrappedPlugins):
         device = self.root_device
         backend = self.process_group_backend or fabric_dist._get_default_process_group_backend_for_device(device)
         self.process_group_backend = backend
-        kwargs = {"device_id": device} if device.type != "cpu" else {}
+        kwargs: dict[str, Any] = {"device_id": device} if device.type != "cpu" else {}
+        store = restart_store(self._world.timeout)  # a torchrun restart: not the dead attempt's keys
+        if store is not None:
+            kwargs["store"] = store
         fabric_dist._init_dist_connection(self.cluster_environment, backend, timeout=self._world.timeout, **kwargs)
         self._world.device = device  # pinned: a shrink renumbers local ranks, not devices
         self._pipeline.resizer.start(self.node_rank)
@@ -335,7 +340,8 @@ class DynMoStrategy(WrappedPlugins):
         in_parts, units = self.data_parallel == "fsdp", self.data_parallel in FSDP_MODES
         tp = self.tensor_parallel_size > 1
         with world.phase(f"checkpoint save ({os.fspath(filepath)})"):
-            merged = sharded.save(checkpoint, filepath, world.mesh, self.checkpoint_format, in_parts or tp, units or tp)
+            merged = sharded.save(checkpoint, filepath, world.mesh, self.checkpoint_format, in_parts or tp, units or tp,
+                                  background=self.settings.async_checkpoint)  # fmt: skip
         if merged is not None and self.is_global_zero:
             self.checkpoint_io.save_checkpoint(merged, filepath, storage_options=storage_options)
         release_host_memory()  # the write's buffers: back to the system, not kept in the heap
@@ -364,6 +370,7 @@ class DynMoStrategy(WrappedPlugins):
 
     @override
     def teardown(self) -> None:
+        pending.settle()  # a checkpoint still being written in the background: complete when fit returns
         self._pipeline.resizer.end()  # heartbeats stop; processes released with on_release="wait" may exit now
         module = self._lightning_module
         if module is not None and any(p.is_meta for p in module.parameters()):

@@ -12,12 +12,16 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from dynmo_lightning.pipeline.checkpoint.resume import with_resume_path
 from dynmo_lightning.pipeline.elastic.lifetimes import end_world_at_exit
 from dynmo_lightning.strategy.checks import check_job
 
 
 class PipelineLauncher(_SubprocessScriptLauncher):
     """Lightning's subprocess launcher, with :func:`check_job` run before any worker starts.
+
+    A job its manager restarted (torchrun's elastic agent, Slurm requeue) resumes ``fit`` from the newest complete
+    checkpoint of the run (``auto_resume``, :mod:`~dynmo_lightning.pipeline.checkpoint.resume`).
 
     Args:
         strategy: the ``DynMoStrategy`` (its settings are read when the Trainer launches).
@@ -36,4 +40,6 @@ class PipelineLauncher(_SubprocessScriptLauncher):
             except Exception as e:
                 e.refused_before_launch = True  # type: ignore[attr-defined]  # front ends report it in one line
                 raise
+            if self._strategy.settings.auto_resume:
+                args, kwargs = with_resume_path(function, args, kwargs, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)

@@ -11,7 +11,10 @@ A checkpoint is a directory (as Lightning's FSDP and ModelParallel strategies wr
 Names are the unsplit model's, so loading is resharding by name: each process asks DCP for its own layers' keys
 only, whatever the pipeline width, replica count or partition that wrote them. Writing goes to a temporary directory
 that replaces the previous checkpoint only once complete (an interrupted save leaves the last complete one, at the
-path or, for an instant, at ``<path>.old``).
+path or, for an instant, at ``<path>.old``). In the background (``async_checkpoint``), the shards are copied to host
+memory and written by DCP's ``async_save`` from a thread, over a gloo group of the writers of their own (the
+training's collectives go on meanwhile on the others); the last writer to finish is the coordinator, which then puts
+the directory at its name (``pipeline/topology/pending.py`` waits for it before the world changes or ends).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import shutil
 import uuid
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,7 @@ from dynmo_lightning.pipeline.checkpoint.single_file import (
     shard_optimizer_state,
 )
 from dynmo_lightning.pipeline.parallel.dtensors import full_tensors, template_like
+from dynmo_lightning.pipeline.topology import pending
 from dynmo_lightning.pipeline.topology.mesh import Mesh, PipelineGroup
 
 #: Checkpoint formats: ``"sharded"`` (a DCP directory, every stage writes its part), ``"single"`` (one file gathered
@@ -83,6 +88,7 @@ def save(
     checkpoint_format: str,
     in_parts: bool,
     dtensors: bool,
+    background: bool = False,
 ) -> dict[str, Any] | None:
     """Write this process's part of ``checkpoint`` (collective over the writers; Lightning's ``save_checkpoint``).
 
@@ -90,7 +96,8 @@ def save(
     processes hold parts of their layers (``in_parts``: FSDP2 shards, tensor-parallel splits), every process writes
     its parts of a sharded checkpoint (:func:`save_sharded`). A single file (``checkpoint_format``, or a remote
     path) holds whole tensors: every process joins in gathering its DTensors (``dtensors``), then the first
-    pipeline's stages are merged.
+    pipeline's stages are merged. ``background``: a sharded checkpoint is written from a thread (module docstring);
+    every process waits here for the previous background save first.
 
     Returns:
         The merged single-file checkpoint on global rank 0 (the caller writes it with its ``CheckpointIO``), else
@@ -98,13 +105,19 @@ def save(
     """
     layout, pipe = mesh.layout, mesh.pipeline
     first = layout.row(pipe.global_rank(pipe.rank)) == 0
-    if not (first or in_parts):
-        return None
     auto = layout.pp_size > 1 or in_parts
     split = checkpoint_format == "sharded" or (checkpoint_format == "auto" and auto)
-    if split and "://" not in os.fspath(path):  # DCP's writer is a file system's (remote: one file)
+    split = split and "://" not in os.fspath(path)  # DCP's writer is a file system's (remote: one file)
+    thread_group = None
+    if background and split:
+        pending.settle()  # one background save at a time; its failure is raised here
+        ranks = range(dist.get_world_size()) if in_parts else layout.replicas[0]
+        thread_group = writer_group(ranks)  # collective over the world: before the non-writers leave
+    if not (first or in_parts):
+        return None
+    if split:
         writers = (mesh.control, layout.global_rank(0, 0), first) if in_parts else None
-        save_sharded(checkpoint, path, pipe, shards=writers)
+        save_sharded(checkpoint, path, pipe, shards=writers, thread_group=thread_group)
         return None
     if dtensors:  # one file: whole tensors (gathered over the processes holding their parts)
         checkpoint["state_dict"] = full_tensors(checkpoint.get("state_dict", {}))
@@ -118,6 +131,7 @@ def save_sharded(
     pipe: PipelineGroup,
     *,
     shards: tuple[dist.ProcessGroup | None, int, bool] | None = None,
+    thread_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Write ``checkpoint`` (this stage's part) as a sharded checkpoint at ``path`` (collective over the writers).
 
@@ -129,6 +143,8 @@ def save_sharded(
         shards: when every replica holds shards of its stage's layers (FSDP2), every process writes its shards:
             ``(the job's CPU group, global rank of pipeline rank 0 of the first replica, whether this process is in
             the first replica)``.
+        thread_group: write in the background over this group of the same writers (:func:`writer_group`); the
+            checkpoint is at ``path`` once every writer's thread finished.
     """
     target = os.fspath(path)
     group, leader, first = (pipe.control, pipe.global_rank(0), True) if shards is None else shards
@@ -136,6 +152,9 @@ def save_sharded(
     tag = [uuid.uuid4().hex if dist.get_rank() == leader else None]
     dist.broadcast_object_list(tag, src=leader, group=group)
     tmp = f"{target}.tmp-{tag[0]}"
+    if thread_group is not None:
+        _save_in_background(checkpoint, tmp, target, pipe, first, thread_group)
+        return
     # DCP's own collectives exchange plans and metadata (host data): the CPU group carries them. Entries every
     # replica holds whole (buffers, step counters) are written once: DCP dedups them.
     dcp.save(_tensors(checkpoint), storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
@@ -144,7 +163,58 @@ def save_sharded(
     dist.barrier(group=group)
 
 
-def _save_meta(checkpoint: dict[str, Any], tmp: str, target: str, pipe: PipelineGroup) -> None:
+def _save_in_background(
+    checkpoint: dict[str, Any], tmp: str, target: str, pipe: PipelineGroup, first: bool, group: dist.ProcessGroup
+) -> None:
+    """Copy this writer's tensors to host memory and write them from a thread; the coordinator renames at the end.
+
+    ``meta.pt`` is written now (it is small and gathered over the pipeline's group, which the training uses too).
+    DCP's coordinator (the group's first rank: pipeline rank 0 of the first replica, as for ``meta.pt``) finishes
+    the save after every writer's data is written, so when its thread returns, the directory is complete.
+    """
+    os.makedirs(tmp, exist_ok=True)
+    if first:
+        _save_meta(checkpoint, tmp, target, pipe, replace=False)
+    written = dcp.async_save(_tensors(checkpoint), storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
+    coordinator = dist.get_rank(group) == 0
+    done: Future[None] = Future()
+
+    def finish(future: Future[Any]) -> None:
+        try:
+            future.result()
+            if coordinator:
+                _replace(tmp, target)
+            done.set_result(None)
+        except BaseException as e:  # raised where the next save or a change of the world settles it
+            done.set_exception(e)
+
+    written.add_done_callback(finish)
+    pending.track(f"checkpoint save {target}", done)
+
+
+_writer_groups: tuple[Any, dict[tuple[int, ...], dist.ProcessGroup]] = (None, {})
+
+
+def writer_group(ranks: Collection[int]) -> dist.ProcessGroup:
+    """A gloo group of ``ranks`` for background writes, one per world (collective: every process calls it).
+
+    The background thread's collectives (DCP's plans and metadata) need a group no training collective uses: two
+    threads issuing collectives on one group could pair one process's with another's.
+    """
+    global _writer_groups
+    world = dist.group.WORLD
+    if _writer_groups[0] is not world:  # a new world: the old one's groups were destroyed with it
+        _writer_groups = (world, {})
+    key = tuple(sorted(ranks))
+    groups = _writer_groups[1]
+    if key not in groups:
+        groups[key] = dist.new_group(list(key), backend="gloo")
+    return groups[key]
+
+
+def _save_meta(
+    checkpoint: dict[str, Any], tmp: str, target: str, pipe: PipelineGroup, *, replace: bool = True
+) -> None:
     """Everything but the tensors, by pipeline rank 0 (collective over the first replica's pipeline)."""
     # Parameter groups: hyper-parameters and the names of every stage's parameters (names only, no tensors).
     groups = [{"format": NAMED_FORMAT, "state": {}, "param_groups": o["param_groups"]} for o in
@@ -155,7 +225,8 @@ def _save_meta(checkpoint: dict[str, Any], tmp: str, target: str, pipe: Pipeline
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta["optimizer_states"] = [merge_named_optimizer_states([p[i] for p in parts]) for i in range(len(groups))]
         torch.save(meta, os.path.join(tmp, META))
-        _replace(tmp, target)
+        if replace:
+            _replace(tmp, target)
 
 
 def _replace(tmp: str, target: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dynmo_lightning.pipeline.elastic.survivors import host_stores
+from dynmo_lightning.pipeline.topology.pending import end_default_group
 
 #: Variables that describe a distributed job; a launch sets its own, never inherits a parent job's.
 DIST_ENV = (
@@ -92,8 +93,7 @@ def _next_rendezvous() -> tuple[dist.TCPStore | None, dict[str, str]]:
 def _end_world(saved: dict[str, str | None], env: dict[str, str] | None = None, store: Any = None) -> None:
     """Destroy the default process group; restore the environment, pointed at the next world's store if any."""
     global _next_store
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_default_group()
     _next_store = store  # the store the ended world met at (if this process hosted one) closes now
     for key, value in {**saved, **(env or {})}.items():
         if value is None:
@@ -122,6 +122,23 @@ def end_world_at_exit() -> None:
 
 def _end_at_exit() -> None:
     global _next_store
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if dist.is_available():
+        end_default_group()
     _next_store = None
+
+
+def restart_store(timeout: timedelta) -> dist.Store | None:
+    """The store a restarted torchrun worker meets the others at: the agents' store, under this attempt's prefix.
+
+    torchrun's agents share their rendezvous store with the workers (``TORCHELASTIC_USE_AGENT_STORE``), and torch
+    adds no prefix per restart, since it assumes a new store every attempt; the shared one still holds the previous
+    attempt's keys (every rank's gloo address, NCCL's unique id), and a worker that comes up before a peer reads the
+    dead world's and fails to connect. Keys under ``dynmo/attempt_<TORCHELASTIC_RESTART_COUNT>`` are this attempt's
+    only. ``None`` when the process was not restarted by torchrun's agent (the default rendezvous is right).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
+        return None
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"dynmo/attempt_{attempt}", store)

@@ -34,6 +34,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from dynmo_lightning.pipeline.elastic import release
 from dynmo_lightning.pipeline.elastic import survivors as groups
+from dynmo_lightning.pipeline.topology.pending import end_default_group
 from dynmo_lightning.pipeline.topology.ranks import ReplicaLayout
 
 
@@ -99,7 +100,7 @@ class ElasticWorld:
             hook = getattr(callback, "on_released", None)
             if callable(hook):
                 hook(trainer, module)
-        dist.destroy_process_group()
+        end_default_group()
         assert self.control_port is not None
         address = environment.main_address
         call = groups.release(address, self.control_port, on_release, device, key=_call_key(self.origin))
@@ -129,7 +130,7 @@ class ElasticWorld:
         """
         world_before = len(self.hosts)
         me = dist.get_rank()
-        dist.destroy_process_group()
+        end_default_group()
         resized, view = groups.rejoin(
             environment, order, me, stores, ports, nodes=[node for node, _ in self.hosts], backend=backend,
             timeout=timeout, device=device,

@@ -32,6 +32,7 @@ from dynmo_lightning.pipeline.elastic.members import ElasticWorld
 from dynmo_lightning.pipeline.stage.local import LocalStages
 from dynmo_lightning.pipeline.stage.migration import MigrationStats
 from dynmo_lightning.pipeline.stage.runtime import StagePlan
+from dynmo_lightning.pipeline.topology.pending import end_default_group
 from dynmo_lightning.pipeline.topology.ranks import ReplicaLayout
 from dynmo_lightning.pipeline.topology.world import World
 
@@ -202,7 +203,7 @@ class Resizer:
         with world.phase("growth (end of the old process group)"):
             dist.barrier()
         world.heartbeats.stop()
-        dist.destroy_process_group()
+        end_default_group()
         return self._join(stages, plan, stores, None)
 
     def _join(

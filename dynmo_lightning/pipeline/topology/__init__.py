@@ -6,4 +6,5 @@
 * ``data`` - sharding the user's dataloaders over the replicas, in the user's order.
 * ``transport`` - host data over the CPU control group, tensors by batched point-to-point on the device.
 * ``heartbeats`` - heartbeats, and failure messages that name the lost rank and the phase.
+* ``pending`` - background work over the world's groups (checkpoint writes), waited for before the world ends.
 """

@@ -1,0 +1,130 @@
+"""A fault for benchmarks and tests, as torchft injects them: a process (or its whole node) killed at a step and phase.
+
+:class:`KillAt` is a Lightning callback on every process; on ``rank`` at training step ``step`` it kills, in the
+named ``phase``: ``"step"`` (before the step's first forward), ``"forward"`` (inside the first forward of a layer of
+this process in that step), ``"backward"`` (inside the first backward of such a layer), ``"optimizer"`` (before the
+optimizer step) or ``"checkpoint"`` (inside the save of a checkpoint at that step, before its files are written).
+``signal="KILL"`` is a crash (``SIGKILL``: nothing runs after it), ``"STOP"`` a hang (``SIGSTOP``: the process is
+there but silent, as a wedged device or a network partition looks). ``scope="node"`` kills the node: under
+torchrun's elastic agent, the agent that started this process and every process it started (their parent's other
+children, read from ``/proc``, Linux only), as a lost machine takes everything on it.
+
+Before it kills, it appends ``{"rank", "step", "phase", "time"}`` to ``record`` (a JSON-lines file), which the
+recovery benchmark reads to time the recovery from the moment of the fault. For benchmarks and tests only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+#: Where in a step a fault can strike.
+PHASES = ("step", "forward", "backward", "optimizer", "checkpoint")
+
+
+def node_processes(agent: int | None = None) -> list[int]:
+    """The processes of this process's node under torchrun: the agent (its parent) and the agent's children."""
+    agent = os.getppid() if agent is None else agent
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # ended meanwhile
+                continue
+            if int(fields[1]) == agent:
+                children.append(int(entry.name))
+    return [agent, *children]
+
+
+class KillAt(Callback):
+    """Kill this process (or its node) at a training step and phase (module docstring).
+
+    Args:
+        rank: the global rank that is killed (of the world the job starts with: a restart does not kill again unless
+            ``every_start``).
+        step: the training step (``trainer.global_step`` when the step starts).
+        phase: one of :data:`PHASES`.
+        scope: ``"process"`` or ``"node"``.
+        signal: ``"KILL"`` or ``"STOP"``.
+        record: JSON-lines file the fault's time is appended to.
+        every_start: kill also after a restart of the job (``TORCHELASTIC_RESTART_COUNT`` > 0).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        step: int,
+        phase: str = "step",
+        *,
+        scope: str = "process",
+        signal: str = "KILL",
+        record: str | os.PathLike[str] | None = None,
+        every_start: bool = False,
+    ) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"KillAt(phase={phase!r}): one of {list(PHASES)}")
+        if scope not in ("process", "node"):
+            raise ValueError(f"KillAt(scope={scope!r}): 'process' or 'node'")
+        if signal not in ("KILL", "STOP"):
+            raise ValueError(f"KillAt(signal={signal!r}): 'KILL' or 'STOP'")
+        if scope == "node" and "TORCHELASTIC_RUN_ID" not in os.environ:
+            raise ValueError("KillAt(scope='node') needs torchrun's elastic agent (the node is the agent's processes)")
+        self.rank, self.step, self.phase, self.scope, self.signal = rank, step, phase, scope, signal
+        self.record = None if record is None else Path(record)
+        self.armed = every_start or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
+        self._hooks: list[Any] = []
+
+    def _due(self, trainer: pl.Trainer, phase: str) -> bool:
+        return self.armed and phase == self.phase and trainer.global_rank == self.rank and self._step == self.step
+
+    def strike(self) -> None:
+        """Record the fault, then kill (never returns for ``KILL``; a stopped process resumes only on ``SIGCONT``)."""
+        if self.record is not None:
+            fact = {"rank": self.rank, "step": self.step, "phase": self.phase, "time": time.time()}
+            with self.record.open("a") as f:
+                f.write(json.dumps(fact) + "\n")
+        sig = signal.SIGKILL if self.signal == "KILL" else signal.SIGSTOP
+        victims = node_processes() if self.scope == "node" else []
+        for pid in [p for p in victims if p != os.getpid()]:  # the agent first: it must not restart anything
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        os.kill(os.getpid(), sig)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self._step = trainer.global_step
+        if self._due(trainer, "step"):
+            self.strike()
+        if self._due(trainer, "forward") or self._due(trainer, "backward"):
+            layers = [m for m in pl_module.modules() if any(True for _ in m.parameters(recurse=False))]
+            if not layers:
+                raise RuntimeError(f"KillAt(phase={self.phase!r}): rank {self.rank} holds no layer with parameters")
+            if self.phase == "forward":
+                self._hooks.append(layers[0].register_forward_pre_hook(lambda *_: self.strike()))
+            else:
+                self._hooks.append(layers[-1].register_full_backward_pre_hook(lambda *_: self.strike()))
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._due(trainer, "optimizer"):
+            self.strike()
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+        # Lightning calls this while it builds the checkpoint, before the strategy writes anything.
+        self._step = trainer.global_step
+        if self._due(trainer, "checkpoint"):
+            self.strike()
+
+    _step = -1
