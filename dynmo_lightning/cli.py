@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 import dynmo_lightning  # noqa: F401  (registers strategy="dynmo")
 from dynmo_lightning.callbacks import CostTrace, RunSummary
-from dynmo_lightning.launch import fresh_world
+from dynmo_lightning.launch import fresh_world, torchrun_num_nodes
 from dynmo_lightning.pipeline.checkpoint import sharded
 from dynmo_lightning.pipeline.checkpoint.safe_load import CheckpointRefused
 
@@ -103,6 +103,7 @@ def build_trainer(cfg: DictConfig, callbacks: list[Any] | None = None) -> L.Trai
         callbacks=all_callbacks,
         logger=loggers or False,
         default_root_dir=run_dir,
+        num_nodes=torchrun_num_nodes(cfg.trainer.get("num_nodes", 1)),  # an elastic restart's world
         _convert_="partial",
     )
 

@@ -22,7 +22,7 @@ from dynmo_lightning.pipeline.elastic.lifetimes import _STORE_TIMEOUT, DIST_ENV,
 from dynmo_lightning.pipeline.elastic.survivors import open_store
 
 __all__ = ["DIST_ENV", "FIT_ENV", "LocalJob", "backend_device", "clean_env", "end_world_at_exit", "fresh_world",
-           "run_ranks", "start_ranks"]  # fmt: skip
+           "run_ranks", "start_ranks", "torchrun_num_nodes"]  # fmt: skip
 
 
 class LocalJob(list):
@@ -112,3 +112,16 @@ def backend_device(backend: str | None = None) -> torch.device:
     if "nccl" in name:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def torchrun_num_nodes(default: int = 1) -> int:
+    """The Trainer's ``num_nodes`` for this world: under torchrun, the nodes its rendezvous gave; else ``default``.
+
+    An elastic job (``torchrun --nnodes=MIN:MAX``) restarted on fewer nodes has a smaller ``WORLD_SIZE``, and
+    Lightning refuses a Trainer whose ``devices * num_nodes`` differs from it: pass ``num_nodes=torchrun_num_nodes()``
+    (``dynmo-train`` does) so that the restarted job resumes on the world it got.
+    """
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not world or not local:
+        return default
+    return max(1, int(world) // int(local))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -33,6 +34,22 @@ import lightning.pytorch as pl
 STEPS = "steps.jsonl"
 #: The fault's record (:class:`~dynmo_lightning.bench.kills.KillAt`).
 FAULTS = "faults.jsonl"
+#: How long each checkpoint save held the training thread (global rank 0).
+SAVES = "saves.jsonl"
+
+
+def _time_saves(strategy: Any, path: Path) -> None:
+    """Record how long every ``save_checkpoint`` holds the training thread (on this strategy object only)."""
+    save = strategy.save_checkpoint
+
+    def timed(*args: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        save(*args, **kwargs)
+        if strategy.global_rank == 0:
+            with path.open("a") as f:
+                f.write(json.dumps({"seconds": time.perf_counter() - started}) + "\n")
+
+    strategy.save_checkpoint = timed
 
 
 class StepClock(pl.Callback):
@@ -65,6 +82,7 @@ def worker(argv: list[str]) -> None:
     from dynmo_lightning import DynMoStrategy
     from dynmo_lightning.bench.kills import KillAt
     from dynmo_lightning.data import StdlibCharDataModule
+    from dynmo_lightning.launch import torchrun_num_nodes
     from dynmo_lightning.models import GPT
 
     p = argparse.ArgumentParser(prog="recovery worker")
@@ -78,6 +96,9 @@ def worker(argv: list[str]) -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--heartbeat", type=float, default=5.0)
+    p.add_argument("--epoch-steps", type=int, default=None)
+    p.add_argument("--kills", default="[]", help="JSON list of {attempt, rank, step, phase}: a process kill each")
+    p.add_argument("--time-saves", action="store_true", help="record the training thread's time in every save")
     a = p.parse_args(argv)
     devices = int(os.environ["LOCAL_WORLD_SIZE"])
     callbacks: list[pl.Callback] = [
@@ -87,11 +108,15 @@ def worker(argv: list[str]) -> None:
     if a.kill_step and os.environ.get("DYNMO_NODE") == "B" and os.environ["LOCAL_RANK"] == "0":
         rank = int(os.environ["RANK"])
         callbacks.append(KillAt(rank, a.kill_step, a.phase, scope="node", record=a.run / FAULTS))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for kill in json.loads(a.kills):
+        if kill["attempt"] == attempt:  # this attempt's fault (a soak: one per attempt)
+            callbacks.append(KillAt(kill["rank"], kill["step"], kill["phase"], record=a.run / FAULTS, every_start=True))
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
-        num_nodes=int(os.environ["WORLD_SIZE"]) // devices,  # an elastic job's nodes: what the rendezvous gave
+        num_nodes=torchrun_num_nodes(),  # an elastic job's nodes: what the rendezvous gave
         strategy=DynMoStrategy(n_microbatches=4, heartbeat_timeout=a.heartbeat, async_checkpoint=bool(a.background)),
         max_steps=a.steps,
         callbacks=callbacks,
@@ -99,14 +124,18 @@ def worker(argv: list[str]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
+        limit_train_batches=a.epoch_steps,
     )
+    if a.time_saves:
+        _time_saves(trainer.strategy, a.run / SAVES)
     model = GPT(n_layer=a.layers, n_embd=a.width, n_head=4, block_size=32)
     data = StdlibCharDataModule(block_size=32, batch_size=8, max_bytes=400_000)
     trainer.fit(model, datamodule=data, ckpt_path=a.ckpt)
 
 
 def torchrun(
-    run: Path, node: str, nnodes: str, nproc: int, port: int, args: list[str], max_restarts: int
+    run: Path, node: str, nnodes: str, nproc: int, port: int, args: list[str], max_restarts: int,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """Start one "node": a torchrun elastic agent of ``nproc`` workers (log: ``run/node<node>.log``)."""
     from dynmo_lightning.launch import clean_env
@@ -118,17 +147,19 @@ def torchrun(
         "-m", "dynmo_lightning.bench.recovery", "worker", "--dir", str(run), *args,
     ]  # fmt: skip
     log = (run / f"node{node}.log").open("ab")
-    env = {**clean_env(), "DYNMO_NODE": node}
+    env = {**clean_env(), "DYNMO_NODE": node, **(env or {})}
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def run_job(run: Path, nodes: int, nproc: int, args: list[str], *, timeout: float = 900) -> list[int]:
+def run_job(
+    run: Path, nodes: int, nproc: int, args: list[str], *, timeout: float = 900, max_restarts: int = 3
+) -> list[int]:
     """Run one job of ``nodes`` loopback nodes (``--nnodes=1:nodes``) to its end; their agents' exit statuses."""
     from dynmo_lightning.pipeline.elastic.survivors import open_store
 
     run.mkdir(parents=True, exist_ok=True)
     store = open_store("127.0.0.1", timedelta(minutes=30))  # the rendezvous host: outlives the nodes
-    agents = [torchrun(run, "AB"[n], f"1:{nodes}", nproc, store.port, args, max_restarts=3) for n in range(nodes)]
+    agents = [torchrun(run, "AB"[n], f"1:{nodes}", nproc, store.port, args, max_restarts) for n in range(nodes)]
     deadline = time.monotonic() + timeout
     try:
         for agent in agents:
@@ -176,6 +207,228 @@ def _rate(steps: list[dict[str, Any]], skip: int = 3) -> float:
     return sum(r["tokens"] for r in steady[1:]) / seconds if seconds > 0 else float("nan")
 
 
+def restart_row(work: Path, phase: str, *, background: bool = False, width: int = 64) -> dict[str, Any]:
+    """One ``tier="restart"`` row: a node killed at step 30 of 60 in ``phase``, then the by-hand reference."""
+    tag = f"{phase}-{'background' if background else 'blocking'}"
+    run, ref = work / tag, work / f"{tag}-by-hand"
+    common = ["--steps", "60", "--every", "10", "--width", str(width), "--background", str(int(background))]
+    codes = run_job(run, 2, 2, [*common, "--kill-step", "30", "--phase", phase])
+    facts = measure(run)
+    resumed = run / "checkpoints" / f"epoch=0-step={facts['resumed_from_step']}.ckpt"
+    ref_codes = run_job(ref, 1, 2, [*common, "--ckpt", str(resumed)])
+    exact = codes[0] == 0 and ref_codes == [0] and same_state(run / "checkpoints" / "last.ckpt",
+                                                                ref / "checkpoints" / "last.ckpt")  # fmt: skip
+    ideal = facts["tokens_per_s_before"] * facts["world_after"] / facts["world_before"]
+    return {"tier": "restart", "phase": phase, "background_checkpoints": background, **facts,
+            "ideal_tokens_per_s_after": ideal, "after_over_ideal": facts["tokens_per_s_after"] / ideal,
+            "exact": exact, "agents_exit": codes}  # fmt: skip
+
+
+def same_state(a: Path, b: Path) -> bool:
+    """Whether two checkpoints hold bit-identical weights, optimizer state and step."""
+    import torch
+
+    from dynmo_lightning.pipeline.checkpoint.sharded import load_whole
+
+    x, y = load_whole(a), load_whole(b)
+    if x["global_step"] != y["global_step"] or x["state_dict"].keys() != y["state_dict"].keys():
+        return False
+    same = all(torch.equal(v, y["state_dict"][k]) for k, v in x["state_dict"].items())
+    ox, oy = x["optimizer_states"][0]["state"], y["optimizer_states"][0]["state"]
+    return same and all(torch.equal(v, oy[n][k]) for n, s in ox.items() for k, v in s.items() if torch.is_tensor(v))
+
+
+def overhead(work: Path, repeats: int, every: int, width: int) -> list[dict[str, Any]]:
+    """Mean step time with checkpoints every ``every`` steps, blocking or in the background, against none.
+
+    One node of 2 workers, 40 steps; the modes alternate within each repeat (none, blocking, background, then the
+    next repeat) so that drift of the machine falls on all alike. Steps 5 to 40 count (start-up excluded).
+    """
+    rows = []
+    for r in range(repeats):
+        for mode in ("none", "blocking", "background"):
+            run = work / f"overhead-{mode}-{r}"
+            args = ["--steps", "40", "--width", str(width), "--every", str(every if mode != "none" else 10_000),
+                    "--background", str(int(mode == "background")), "--time-saves"]  # fmt: skip
+            assert run_job(run, 1, 2, args) == [0], run
+            times = [rec["time"] for rec in records(run) if rec["event"] == "step"][4:]
+            held = [rec["seconds"] for rec in records(run, SAVES)]
+            rows.append({"mode": mode, "repeat": r, "step_s": (times[-1] - times[0]) / (len(times) - 1),
+                         "save_held_s": sum(held) / len(held) if held else 0.0})  # fmt: skip
+    return rows
+
+
+def overhead_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per mode: mean step time, its ratio to no checkpoints (paired by repeat) and a save's hold on training."""
+    import statistics
+
+    by = {(r["mode"], r["repeat"]): r["step_s"] for r in rows}
+    repeats = sorted({r["repeat"] for r in rows})
+    out: dict[str, Any] = {}
+    for mode in ("none", "blocking", "background"):
+        ratios = [by[mode, r] / by["none", r] for r in repeats]
+        held = [r["save_held_s"] for r in rows if r["mode"] == mode]
+        out[mode] = {"step_s": statistics.mean(by[mode, r] for r in repeats), "over_none": statistics.mean(ratios),
+                     "range": [min(ratios), max(ratios)], "save_held_s": statistics.mean(held)}  # fmt: skip
+    return out
+
+
+def kill_plan(kills: int, steps: int, every: int, seed: int, ranks: int) -> list[dict[str, Any]]:
+    """``kills`` faults, one per attempt of the job, at increasing random steps, random ranks and phases.
+
+    A ``"checkpoint"`` fault can only strike at a step that writes one (a multiple of ``every``); other phases
+    strike anywhere. Attempt ``i`` resumes at or before fault ``i - 1``'s step, so it reaches fault ``i``.
+    """
+    from dynmo_lightning.bench.kills import PHASES
+
+    rng = random.Random(seed)
+    points = sorted(rng.sample(range(3, steps - 2), kills))
+    plan = []
+    for attempt, step in enumerate(points):
+        phases = [p for p in PHASES if p != "checkpoint" or step % every == 0]
+        plan.append({"attempt": attempt, "rank": rng.randrange(ranks), "step": step, "phase": rng.choice(phases)})
+    return plan
+
+
+def soak(work: Path, kills: int, steps: int = 120, every: int = 10, seed: int = 0) -> dict[str, Any]:
+    """A soak: one node of 2 workers, ``kills`` random process kills, against the same job never killed.
+
+    Epochs are ``every`` steps long and a checkpoint ends each (a plain DataLoader restarts its epoch on resume:
+    at epoch ends a resumed run sees the batches an uninterrupted one does), so the killed job's final state must be
+    bit-identical to the uninterrupted job's.
+    """
+    plan = kill_plan(kills, steps, every, seed, ranks=2)
+    run, ref = work / f"soak-{seed}", work / f"soak-{seed}-uninterrupted"
+    common = ["--steps", str(steps), "--every", str(every), "--epoch-steps", str(every)]
+    started = time.monotonic()
+    codes = run_job(run, 1, 2, [*common, "--kills", json.dumps(plan)], max_restarts=kills + 2)
+    seconds = time.monotonic() - started
+    started = time.monotonic()
+    assert run_job(ref, 1, 2, common) == [0], ref
+    clean_seconds = time.monotonic() - started
+    steps_done, faults = records(run), records(run, FAULTS)
+    starts = [r for r in steps_done if r["event"] == "start"]
+    lost = [f["step"] - s["step"] for f, s in zip(faults, starts[1:], strict=False)]
+    return {"kills_planned": plan, "kills": len(faults), "restarts": len(starts) - 1, "agent_exit": codes[0],
+            "final_step": max(r["step"] for r in steps_done), "steps_lost": lost, "seconds": seconds,
+            "uninterrupted_seconds": clean_seconds,
+            "exact": codes == [0] and same_state(run / "checkpoints" / "last.ckpt", ref / "checkpoints" / "last.ckpt")}
+
+
+def grow_back(work: Path, steps: int = 60, every: int = 10, kill_step: int = 20, join_at: int = 25) -> dict[str, Any]:
+    """A node lost at ``kill_step``, a replacement node started once the survivors reached ``join_at``.
+
+    The survivors' agent sees the new node waiting at the rendezvous and restarts its workers into the grown world,
+    whose workers all resume from the run's newest checkpoint (the new node's workers too: they start under torchrun
+    and find the run's checkpoints). Returns the worlds of each start, the time from starting the new node to the
+    first step of the grown world, the steps the grown world re-ran, and the checkpoint it resumed from.
+
+    The agents run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the store shared (torch's default), the agent
+    that was rank 0 before keeps its store's address from the earlier round and never publishes it for the new one,
+    so a joining node's agent waits for it until the rendezvous times out (torch 2.13's ``next_rendezvous``).
+    """
+    from dynmo_lightning.pipeline.elastic.survivors import open_store
+
+    run = work / "grow-back"
+    run.mkdir(parents=True, exist_ok=True)
+    store = open_store("127.0.0.1", timedelta(minutes=30))
+    args = ["--steps", str(steps), "--every", str(every), "--kill-step", str(kill_step)]
+    unshared = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    agents = [torchrun(run, node, "1:2", 2, store.port, args, 3, unshared) for node in "AB"]
+    deadline = time.monotonic() + 600
+    try:
+        while not any(r["event"] == "step" and r["world"] == 2 and r["step"] >= join_at for r in records(run)):
+            if time.monotonic() > deadline or agents[0].poll() is not None:
+                raise RuntimeError(f"the survivors never reached step {join_at}: see {run}/nodeA.log")
+            time.sleep(0.2)
+        joined = time.time()
+        agents.append(torchrun(run, "C", "1:2", 2, store.port, args, 3, unshared))
+        for agent in (agents[0], agents[2]):
+            agent.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, 9)
+    steps_done = records(run)
+    starts = [r for r in steps_done if r["event"] == "start"]
+    grown = [r for r in steps_done if r["event"] == "step" and r["time"] > joined and r["world"] == 4]
+    small = [r["step"] for r in steps_done if r["event"] == "step" and r["world"] == 2]
+    return {"worlds": [s["world"] for s in starts], "exit": [a.returncode for a in agents],
+            "join_to_step_s": grown[0]["time"] - joined if grown else None, "resumed_from": starts[-1]["ckpt"],
+            "resumed_from_step": starts[-1]["step"], "steps_rerun": max(small) - starts[-1]["step"],
+            "final_step": max(r["step"] for r in steps_done)}  # fmt: skip
+
+
+def tables(result: dict[str, Any]) -> str:
+    """The Markdown tables of docs/reliability.md, from ``recovery.json`` (a test holds the page equal to them)."""
+    lines = ["| phase killed | checkpoints | time to the next step | steps lost | tokens/s before → after (ideal) | "
+             "exact |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['phase']} | {'background' if r['background_checkpoints'] else 'blocking'} | {r['mttr_s']:.1f} s | "
+            f"{r['steps_lost']} | {r['tokens_per_s_before']:.0f} → {r['tokens_per_s_after']:.0f} "
+            f"({r['ideal_tokens_per_s_after']:.0f}) | {'yes' if r['exact'] else 'NO'} |"
+        )
+    cost = result["checkpoint_overhead"]["summary"]
+    lines += ["", "| checkpoints | step time | over none (range over repeats) | a save holds training |",
+              "| --- | --- | --- | --- |"]  # fmt: skip
+    for mode in ("none", "blocking", "background"):
+        c = cost[mode]
+        held = f"{c['save_held_s'] * 1e3:.0f} ms" if mode != "none" else "-"
+        lines.append(f"| {mode} | {c['step_s'] * 1e3:.0f} ms | {c['over_none']:.2f}x [{c['range'][0]:.2f}, "
+                     f"{c['range'][1]:.2f}] | {held} |")  # fmt: skip
+    s = result["soak"]
+    lost = ", ".join(str(n) for n in s["steps_lost"])
+    lines += ["", f"Soak: {s['kills']} kills, {s['restarts']} restarts, final step {s['final_step']}, steps lost per "
+              f"kill {lost}; {s['seconds']:.0f} s against {s['uninterrupted_seconds']:.0f} s uninterrupted; "
+              f"bit-identical to the uninterrupted job: {'yes' if s['exact'] else 'NO'}."]  # fmt: skip
+    g = result["grow_back"]
+    lines += ["", f"Grow back: worlds {' → '.join(str(w) for w in g['worlds'])}; from starting the new node to the "
+              f"grown world's first step {g['join_to_step_s']:.1f} s, {g['steps_rerun']} steps re-run (resumed at "
+              f"step {g['resumed_from_step']}), final step {g['final_step']}."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dynmo_lightning.bench.recovery --out docs/bench``: the restart tier's rows and the overhead."""
+    from dynmo_lightning.bench.kills import PHASES
+
+    p = argparse.ArgumentParser(prog="python -m dynmo_lightning.bench.recovery")
+    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.add_argument("--work", type=Path, default=Path("bench/recovery"))
+    p.add_argument("--phases", nargs="*", default=list(PHASES))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--overhead-width", type=int, default=256)
+    p.add_argument("--soak-kills", type=int, default=10)
+    a = p.parse_args(argv)
+    rows = [restart_row(a.work, phase) for phase in a.phases]
+    rows += [restart_row(a.work, phase, background=True) for phase in ("step", "checkpoint")]
+    cost = overhead(a.work, a.repeats, a.every, a.overhead_width)
+    soaked = soak(a.work, a.soak_kills)
+    grown = grow_back(a.work)
+    result = {
+        "command": "python -m dynmo_lightning.bench.recovery " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "setup": "2 loopback nodes x 2 CPU processes (torchrun elastic agents, --nnodes=1:2, --max-restarts=3, "
+        "last_call_timeout=5 s), GPT 8 blocks width 64, batch 8 x 32 tokens, 4 micro-batches, 1F1B, AdamW; node B "
+        "killed (SIGKILL, agent and workers) at step 30 of 60, sharded checkpoints every 10 steps",
+        "rows": rows,
+        "checkpoint_overhead": {"every_n_steps": a.every, "width": a.overhead_width, "runs": cost,
+                                "summary": overhead_summary(cost)},
+        "soak": soaked,
+        "grow_back": grown,
+    }
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "recovery.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"rows": [{k: r[k] for k in ("phase", "background_checkpoints", "mttr_s", "steps_lost",
+                                                   "after_over_ideal", "exact")} for r in rows],
+                      "overhead": result["checkpoint_overhead"]["summary"],
+                      "soak": {k: v for k, v in soaked.items() if k != "kills_planned"}, "grow_back": grown},
+                     indent=1))  # fmt: skip
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
         worker(sys.argv[2:])
+    else:
+        main()

@@ -78,9 +78,10 @@ class StrategySettings:
     one stage, or under ``data_parallel="fsdp"``). Both formats load either way. Hydra sets it from
     ``checkpoint.format``."""
     auto_resume: bool = True
-    """When the job manager restarted the job (torchrun's elastic agent, Slurm requeue), ``fit`` resumes from the
-    newest complete checkpoint in the run's checkpoint directories, on whatever world the restart gave, without a
-    ``ckpt_path`` (docs/reliability.md)."""
+    """Under a job manager that restarts jobs (torchrun's elastic agent, Slurm) the process's first ``fit`` resumes
+    from the newest complete checkpoint in the run's checkpoint directories, if they hold one, on whatever world the
+    restart gave, without a ``ckpt_path`` (a ``ckpt_path`` older than it yields to it); elsewhere, only when the
+    job was restarted (docs/reliability.md)."""
     async_checkpoint: bool = False
     """Write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``): a save copies the
     stage's tensors to host memory and training goes on while a thread writes them; the checkpoint appears at its

@@ -35,8 +35,9 @@ from typing_extensions import Self, override
 from dynmo_lightning import callbacks
 from dynmo_lightning.pipeline.checkpoint import sharded
 from dynmo_lightning.pipeline.checkpoint import single_file as ckpt
+from dynmo_lightning.pipeline.checkpoint.resume import count_the_epoch_in_progress
 from dynmo_lightning.pipeline.elastic import survivors as groups
-from dynmo_lightning.pipeline.elastic.lifetimes import restart_store
+from dynmo_lightning.pipeline.elastic.lifetimes import torchrun_world_store
 from dynmo_lightning.pipeline.parallel.data_parallel import FSDP_MODES, StageSharding
 from dynmo_lightning.pipeline.parallel.tensor_parallel import TensorParallel
 from dynmo_lightning.pipeline.stage.evaluation import PipelineEvaluation
@@ -153,7 +154,7 @@ class DynMoStrategy(WrappedPlugins):
         backend = self.process_group_backend or fabric_dist._get_default_process_group_backend_for_device(device)
         self.process_group_backend = backend
         kwargs: dict[str, Any] = {"device_id": device} if device.type != "cpu" else {}
-        store = restart_store(self._world.timeout)  # a torchrun restart: not the dead attempt's keys
+        store = torchrun_world_store(self._world.timeout)  # under torchrun: not a dead world's keys
         if store is not None:
             kwargs["store"] = store
         fabric_dist._init_dist_connection(self.cluster_environment, backend, timeout=self._world.timeout, **kwargs)
@@ -355,6 +356,7 @@ class DynMoStrategy(WrappedPlugins):
         else:  # weights_only=True also for URLs, where Lightning's default would unpickle freely
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True)
         ckpt.warn_layout_change(checkpoint, checkpoint_path, self._world.dp_size)
+        count_the_epoch_in_progress(checkpoint)  # Lightning's count after a resume at an epoch's end
         return checkpoint
 
     @override

@@ -10,13 +10,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import time
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from dynmo_lightning.pipeline.elastic.survivors import host_stores
+from dynmo_lightning.pipeline.elastic.survivors import host_stores, open_store
 from dynmo_lightning.pipeline.topology.pending import end_default_group
 
 #: Variables that describe a distributed job; a launch sets its own, never inherits a parent job's.
@@ -92,8 +94,9 @@ def _next_rendezvous() -> tuple[dist.TCPStore | None, dict[str, str]]:
 
 def _end_world(saved: dict[str, str | None], env: dict[str, str] | None = None, store: Any = None) -> None:
     """Destroy the default process group; restore the environment, pointed at the next world's store if any."""
-    global _next_store
+    global _next_store, _world_store
     end_default_group()
+    _world_store = None  # a torchrun world's own store (rank 0): the next world opens its own
     _next_store = store  # the store the ended world met at (if this process hosted one) closes now
     for key, value in {**saved, **(env or {})}.items():
         if value is None:
@@ -121,24 +124,52 @@ def end_world_at_exit() -> None:
 
 
 def _end_at_exit() -> None:
-    global _next_store
+    global _next_store, _world_store
     if dist.is_available():
         end_default_group()
-    _next_store = None
+    _next_store = _world_store = None
 
 
-def restart_store(timeout: timedelta) -> dist.Store | None:
-    """The store a restarted torchrun worker meets the others at: the agents' store, under this attempt's prefix.
+#: The store this process hosts for its torchrun world (rank 0): open as long as the world.
+_world_store: Any = None
 
-    torchrun's agents share their rendezvous store with the workers (``TORCHELASTIC_USE_AGENT_STORE``), and torch
-    adds no prefix per restart, since it assumes a new store every attempt; the shared one still holds the previous
-    attempt's keys (every rank's gloo address, NCCL's unique id), and a worker that comes up before a peer reads the
-    dead world's and fails to connect. Keys under ``dynmo/attempt_<TORCHELASTIC_RESTART_COUNT>`` are this attempt's
-    only. ``None`` when the process was not restarted by torchrun's agent (the default rendezvous is right).
+#: Key of torchrun's shared store under which rank 0 names its world's own store: ``host:port:nonce``.
+WORLD_STORE_KEY = "dynmo/world_store"
+
+
+def torchrun_world_store(timeout: timedelta) -> dist.Store | None:
+    """A store of this world's own for a torchrun worker's process group (``None`` when not under torchrun).
+
+    torchrun's agents share one store with the workers of every world they form (``TORCHELASTIC_USE_AGENT_STORE``):
+    the server the first rank-0 agent opened serves every later world too, still holding the dead world's keys
+    (every rank's gloo address, NCCL's unique id), and torch tells worlds apart by ``TORCHELASTIC_RESTART_COUNT``,
+    which is each agent's own count (pytorch/pytorch#135712): a restarted worker that comes up before its peer reads
+    the dead world's address and fails to connect, and a replacement node's workers (count 0) and the survivors'
+    (count 1) would not even look under one name. So rank 0 opens a store for this world and publishes
+    ``host:port:nonce`` in the shared one; every other rank reads it until it reaches a live store that holds the
+    same nonce (a dead world's entry points at a closed port, or at a store with another nonce).
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
+    global _world_store
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not os.environ.get("TORCHELASTIC_RUN_ID"):
         return None
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"dynmo/attempt_{attempt}", store)
+    shared = dist.TCPStore(address, port, is_master=False, timeout=timeout)
+    if os.environ.get("RANK") == "0":
+        nonce = uuid.uuid4().hex
+        _world_store = open_store(address, timeout)
+        _world_store.set("dynmo/nonce", nonce)
+        shared.set(WORLD_STORE_KEY, f"{address}:{_world_store.port}:{nonce}")
+        return _world_store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        host, store_port, nonce = shared.get(WORLD_STORE_KEY).decode().rsplit(":", 2)
+        try:
+            store = dist.TCPStore(host, int(store_port), is_master=False, timeout=timedelta(seconds=1))
+            if store.get("dynmo/nonce").decode() == nonce:
+                store.set_timeout(timeout)
+                return store
+        except (RuntimeError, dist.DistError):  # the dead world's store: closed, or someone else's now
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no live store of this world's rank 0 at {host}:{store_port} within {timeout}")
+        time.sleep(0.2)
