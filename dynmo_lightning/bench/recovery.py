@@ -337,10 +337,7 @@ def grow_back(work: Path, steps: int = 60, every: int = 10, kill_step: int = 20,
     agents = [torchrun(run, node, "1:2", 2, store.port, args, 3, unshared) for node in "AB"]
     deadline = time.monotonic() + 600
     try:
-        while not any(r["event"] == "step" and r["world"] == 2 and r["step"] >= join_at for r in records(run)):
-            if time.monotonic() > deadline or agents[0].poll() is not None:
-                raise RuntimeError(f"the survivors never reached step {join_at}: see {run}/nodeA.log")
-            time.sleep(0.2)
+        _wait_for_survivors(run, join_at, agents[0], deadline)
         joined = time.time()
         agents.append(torchrun(run, "C", "1:2", 2, store.port, args, 3, unshared))
         for agent in (agents[0], agents[2]):
@@ -349,15 +346,25 @@ def grow_back(work: Path, steps: int = 60, every: int = 10, kill_step: int = 20,
         for agent in agents:
             if agent.poll() is None:
                 os.killpg(agent.pid, 9)
-    steps_done = records(run)
-    starts = [r for r in steps_done if r["event"] == "start"]
-    grown = [r for r in steps_done if r["event"] == "step" and r["time"] > joined and r["world"] == 4]
-    small = [r["step"] for r in steps_done if r["event"] == "step" and r["world"] == 2]
-    return {"worlds": [s["world"] for s in starts], "exit": [a.returncode for a in agents],
-            "join_to_step_s": grown[0]["time"] - joined if grown else None, "resumed_from": starts[-1]["ckpt"],
-            "resumed_from_step": starts[-1]["step"], "steps_rerun": max(small) - starts[-1]["step"],
-            "final_step": max(r["step"] for r in steps_done)}  # fmt: skip
+    return {"exit": [a.returncode for a in agents], **_grown(records(run), joined)}
 
+
+def _wait_for_survivors(run: Path, step: int, agent: subprocess.Popen, deadline: float) -> None:
+    """Wait until the job, shrunk to 2 processes, has completed ``step``."""
+    while not any(r["event"] == "step" and r["world"] == 2 and r["step"] >= step for r in records(run)):
+        if time.monotonic() > deadline or agent.poll() is not None:
+            raise RuntimeError(f"the survivors never reached step {step}: see {run}/nodeA.log")
+        time.sleep(0.2)
+
+
+def _grown(steps: list[dict[str, Any]], joined: float) -> dict[str, Any]:
+    """The grow-back's figures from the job's step records (``joined``: when the new node started)."""
+    starts = [r for r in steps if r["event"] == "start"]
+    grown = [r for r in steps if r["event"] == "step" and r["time"] > joined and r["world"] == 4]
+    small = [r["step"] for r in steps if r["event"] == "step" and r["world"] == 2]
+    return {"worlds": [s["world"] for s in starts], "join_to_step_s": grown[0]["time"] - joined if grown else None,
+            "resumed_from": starts[-1]["ckpt"], "resumed_from_step": starts[-1]["step"],
+            "steps_rerun": max(small) - starts[-1]["step"], "final_step": max(r["step"] for r in steps)}  # fmt: skip
 
 def tables(result: dict[str, Any]) -> str:
     """The Markdown tables of docs/reliability.md, from ``recovery.json`` (a test holds the page equal to them)."""
@@ -387,6 +394,23 @@ def tables(result: dict[str, Any]) -> str:
               f"grown world's first step {g['join_to_step_s']:.1f} s, {g['steps_rerun']} steps re-run (resumed at "
               f"step {g['resumed_from_step']}), final step {g['final_step']}."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def front_page(result: dict[str, Any]) -> str:
+    """The README's sentence on recovery, from ``recovery.json`` (a test holds the README equal to it)."""
+    rows, soaked = result["rows"], result["soak"]
+    mttr = [r["mttr_s"] for r in rows]
+    lost = sorted({r["steps_lost"] for r in rows})
+    exact = "bit-identical" if all(r["exact"] for r in rows) else "NOT identical"
+    return (
+        "**Recovery** (a node of 2 CPU processes killed under torchrun's elastic agent, in each phase of a step; "
+        "[docs/reliability.md](docs/reliability.md#recovery-by-restart)): the job restarts on the survivors, resumes "
+        f"from its newest checkpoint by itself and ends {exact} to a run resumed by hand, "
+        f"**{min(mttr):.0f}\u2013{max(mttr):.0f} s** from the kill to the next step (a fresh interpreter on every "
+        "worker), "
+        f"{lost[0]} steps lost ({lost[-1]} when the kill interrupts a checkpoint); a soak of {soaked['kills']} random "
+        f"kills ends {'bit-identical' if soaked['exact'] else 'NOT identical'} to the job never killed."
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
