@@ -26,6 +26,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from dynmo_lightning.pipeline.checkpoint.resume import restart_count
+
 #: Where in a step a fault can strike.
 PHASES = ("step", "forward", "backward", "optimizer", "checkpoint")
 
@@ -56,7 +58,7 @@ class KillAt(Callback):
         scope: ``"process"`` or ``"node"``.
         signal: ``"KILL"`` or ``"STOP"``.
         record: JSON-lines file the fault's time is appended to.
-        every_start: kill also after a restart of the job (``TORCHELASTIC_RESTART_COUNT`` > 0).
+        every_start: kill also after a restart of the job (``resume.restart_count()`` > 0).
     """
 
     def __init__(
@@ -80,8 +82,8 @@ class KillAt(Callback):
             raise ValueError("KillAt(scope='node') needs torchrun's elastic agent (the node is the agent's processes)")
         self.rank, self.step, self.phase, self.scope, self.signal = rank, step, phase, scope, signal
         self.record = None if record is None else Path(record)
-        self.armed = every_start or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
-        self._hooks: list[Any] = []
+        self.armed = every_start or restart_count() == 0
+        self._step = -1  # the training step in progress
 
     def _due(self, trainer: pl.Trainer, phase: str) -> bool:
         return self.armed and phase == self.phase and trainer.global_rank == self.rank and self._step == self.step
@@ -111,9 +113,9 @@ class KillAt(Callback):
             if not layers:
                 raise RuntimeError(f"KillAt(phase={self.phase!r}): rank {self.rank} holds no layer with parameters")
             if self.phase == "forward":
-                self._hooks.append(layers[0].register_forward_pre_hook(lambda *_: self.strike()))
+                layers[0].register_forward_pre_hook(lambda *_: self.strike())
             else:
-                self._hooks.append(layers[-1].register_full_backward_pre_hook(lambda *_: self.strike()))
+                layers[-1].register_full_backward_pre_hook(lambda *_: self.strike())
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -126,5 +128,3 @@ class KillAt(Callback):
         self._step = trainer.global_step
         if self._due(trainer, "checkpoint"):
             self.strike()
-
-    _step = -1

@@ -30,6 +30,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from dynmo_lightning.pipeline.checkpoint.resume import restart_count
+
 #: The workers' record of every step (global rank 0 of each world writes it).
 STEPS = "steps.jsonl"
 #: The fault's record (:class:`~dynmo_lightning.bench.kills.KillAt`).
@@ -57,7 +59,7 @@ class StepClock(pl.Callback):
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.restart = restart_count()
 
     def _write(self, trainer: pl.Trainer, **fact: Any) -> None:
         if trainer.global_rank == 0:
@@ -108,7 +110,7 @@ def worker(argv: list[str]) -> None:
     if a.kill_step and os.environ.get("DYNMO_NODE") == "B" and os.environ["LOCAL_RANK"] == "0":
         rank = int(os.environ["RANK"])
         callbacks.append(KillAt(rank, a.kill_step, a.phase, scope="node", record=a.run / FAULTS))
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = restart_count()
     for kill in json.loads(a.kills):
         if kill["attempt"] == attempt:  # this attempt's fault (a soak: one per attempt)
             callbacks.append(KillAt(kill["rank"], kill["step"], kill["phase"], record=a.run / FAULTS, every_start=True))

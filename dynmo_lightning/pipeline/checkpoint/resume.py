@@ -28,7 +28,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from dynmo_lightning.pipeline.checkpoint.sharded import META
+from dynmo_lightning.pipeline.checkpoint.sharded import META, complete_directory
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +75,6 @@ def checkpoint_dirs(trainer: Any) -> list[Path]:
     return list(dict.fromkeys(dirs))
 
 
-def _complete(path: Path) -> float | None:
-    """When the complete checkpoint at ``path`` was written (its modification time), or ``None`` if none is."""
-    meta = path / META
-    if meta.is_file():
-        return meta.stat().st_mtime
-    if path.is_file() and path.stat().st_size > 0:
-        return path.stat().st_mtime
-    return None
-
-
 def newest_checkpoint(dirs: Iterable[str | os.PathLike[str]], suffix: str = ".ckpt") -> str | None:
     """The newest complete checkpoint (file or sharded directory named ``*<suffix>``) in ``dirs``, if any.
 
@@ -92,30 +82,26 @@ def newest_checkpoint(dirs: Iterable[str | os.PathLike[str]], suffix: str = ".ck
     process picks the same one.
     """
     found: dict[Path, float] = {}
-    for d in dirs:
-        d = Path(d)
+    for d in map(Path, dirs):
         if not d.is_dir():
             continue
         for entry in d.iterdir():
-            name = entry.name
-            if name.endswith(suffix + ".old"):  # a swap interrupted between its renames: the previous, complete
-                target = entry.with_name(name[: -len(".old")])
-                written = None if target.exists() or not (entry / META).is_file() else _complete(entry)
-                entry = target
-            else:
-                written = _complete(entry) if name.endswith(suffix) else None
+            name = entry.name.removesuffix(".old")  # a swap cut between its renames: the previous one, complete
+            written = written_at(entry.with_name(name)) if name.endswith(suffix) else None
             if written is not None:
-                found[entry] = max(written, found.get(entry, written))
+                found[entry.with_name(name)] = written
     if not found:
         return None
     return os.fspath(max(found, key=lambda p: (found[p], p.name)))
 
 
 def written_at(path: str | os.PathLike[str]) -> float | None:
-    """When the checkpoint at ``path`` was written, if it is complete (its ``.old`` counts, as loading reads it)."""
+    """When the complete checkpoint at ``path`` was written (as loading finds it: a sharded one's ``.old`` counts)."""
+    directory = complete_directory(path)
+    if directory is not None:
+        return (directory / META).stat().st_mtime
     path = Path(path)
-    written = _complete(path)
-    return written if written is not None else _complete(Path(os.fspath(path) + ".old"))
+    return path.stat().st_mtime if path.is_file() and path.stat().st_size > 0 else None
 
 
 def resume_path(
@@ -163,13 +149,12 @@ def with_resume_path(function: Callable[..., Any], args: tuple, kwargs: dict, tr
     process is the script's own next stage): validate, test, predict and later fits keep what they were given.
     """
     global _fitted
+    signature = inspect.signature(function)
+    if _fitted or getattr(function, "__name__", "") != "_fit_impl" or "ckpt_path" not in signature.parameters:
+        return args, kwargs
     try:
-        bound = inspect.signature(function).bind_partial(*args, **kwargs)
+        bound = signature.bind_partial(*args, **kwargs)
     except TypeError:
-        return args, kwargs
-    if getattr(function, "__name__", "") != "_fit_impl" or "ckpt_path" not in inspect.signature(function).parameters:
-        return args, kwargs
-    if _fitted:
         return args, kwargs
     _fitted = True
     bound.arguments["ckpt_path"] = resume_path(trainer, bound.arguments.get("ckpt_path"))

@@ -62,7 +62,7 @@ META = "meta.pt"
 SHARDS_KEY = "dynmo_shards"
 
 
-def _directory(path: str | os.PathLike[str]) -> Path | None:
+def complete_directory(path: str | os.PathLike[str]) -> Path | None:
     """The complete sharded checkpoint at ``path`` (or at ``<path>.old``, where a swap was interrupted), if any."""
     for d in (Path(path), Path(os.fspath(path) + ".old")):
         if (d / META).is_file():
@@ -72,7 +72,7 @@ def _directory(path: str | os.PathLike[str]) -> Path | None:
 
 def is_sharded(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a sharded (directory) checkpoint."""
-    return _directory(path) is not None
+    return complete_directory(path) is not None
 
 
 def _tensors(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
@@ -244,7 +244,7 @@ def _replace(tmp: str, target: str) -> None:
 
 def load_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Everything of a sharded checkpoint but its tensors (on every process); marks where the shards are."""
-    d = _directory(path)
+    d = complete_directory(path)
     if d is None:
         raise FileNotFoundError(f"{os.fspath(path)} is not a sharded checkpoint (it has no {META})")
     meta = safe_load.load_file(d / META)
