@@ -3,7 +3,9 @@
 :class:`KillAt` is a Lightning callback on every process; on ``rank`` at training step ``step`` it kills, in the
 named ``phase``: ``"step"`` (before the step's first forward), ``"forward"`` (inside the first forward of a layer of
 this process in that step), ``"backward"`` (inside the first backward of such a layer), ``"optimizer"`` (before the
-optimizer step) or ``"checkpoint"`` (inside the save of a checkpoint at that step, before its files are written).
+optimizer step), ``"checkpoint"`` (inside the save of a checkpoint at that step, before its files are written),
+``"migration"`` or ``"consolidation"`` (in this process's first layer transfer of a balancer's migration, or of a
+consolidation, at that step: its tensors not yet sent or received).
 ``signal="KILL"`` is a crash (``SIGKILL``: nothing runs after it), ``"STOP"`` a hang (``SIGSTOP``: the process is
 there but silent, as a wedged device or a network partition looks). ``scope="node"`` kills the node: under
 torchrun's elastic agent, the agent that started this process and every process it started (their parent's other
@@ -29,7 +31,7 @@ from typing_extensions import override
 from dynmo_lightning.pipeline.checkpoint.resume import restart_count
 
 #: Where in a step a fault can strike.
-PHASES = ("step", "forward", "backward", "optimizer", "checkpoint")
+PHASES = ("step", "forward", "backward", "optimizer", "checkpoint", "migration", "consolidation")
 
 
 def node_processes(agent: int | None = None) -> list[int]:
@@ -52,7 +54,7 @@ class KillAt(Callback):
 
     Args:
         rank: the global rank that is killed (of the world the job starts with: a restart does not kill again unless
-            ``every_start``).
+            ``every_start``, and a process renumbered by a recovery without restart is not taken for it).
         step: the training step (``trainer.global_step`` when the step starts).
         phase: one of :data:`PHASES`.
         scope: ``"process"`` or ``"node"``.
@@ -84,9 +86,43 @@ class KillAt(Callback):
         self.record = None if record is None else Path(record)
         self.armed = every_start or restart_count() == 0
         self._step = -1  # the training step in progress
+        self._origin: int | None = None  # this process's rank when training started
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._origin is None:
+            self._origin = trainer.global_rank
+        if self.phase in ("migration", "consolidation") and self._origin == self.rank:
+            self._strike_in_transfers(trainer)
+
+    def _strike_in_transfers(self, trainer: pl.Trainer) -> None:
+        """Strike in the first layer transfer (tensors sent or received) of a migration / consolidation when due.
+
+        Both move layers through :mod:`~dynmo_lightning.pipeline.topology.transport`; the job's phase (the name
+        failure messages give) tells which of the two is running.
+        """
+        from dynmo_lightning.pipeline.topology import transport
+
+        world = trainer.strategy.pipeline_control.world
+        def in_phase() -> bool:
+            watchdog = world.heartbeats.watchdog
+            doing = (watchdog.current if watchdog is not None else None) or ""
+            # a consolidation's phase names its layer migration too
+            return doing.startswith("consolidation" if self.phase == "consolidation" else "layer migration")
+
+        def striking(transfer: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if self.armed and self._step == self.step and in_phase():
+                    self.strike()
+                return transfer(*args, **kwargs)
+
+            return call
+
+        transport.send_tensors = striking(transport.send_tensors)
+        transport.recv_tensors = striking(transport.recv_tensors)
 
     def _due(self, trainer: pl.Trainer, phase: str) -> bool:
-        return self.armed and phase == self.phase and trainer.global_rank == self.rank and self._step == self.step
+        return self.armed and phase == self.phase and self._origin == self.rank and self._step == self.step
 
     def strike(self) -> None:
         """Record the fault, then kill (never returns for ``KILL``; a stopped process resumes only on ``SIGCONT``)."""

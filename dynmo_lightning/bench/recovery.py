@@ -372,7 +372,7 @@ def tables(result: dict[str, Any]) -> str:
     """The Markdown tables of docs/reliability.md, from ``recovery.json`` (a test holds the page equal to them)."""
     lines = ["| phase killed | checkpoints | time to the next step | steps lost | tokens/s before → after (ideal) | "
              "exact |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for r in result["rows"]:
+    for r in restart_rows(result):
         lines.append(
             f"| {r['phase']} | {'background' if r['background_checkpoints'] else 'blocking'} | {r['mttr_s']:.1f} s | "
             f"{r['steps_lost']} | {r['tokens_per_s_before']:.0f} → {r['tokens_per_s_after']:.0f} "
@@ -398,9 +398,14 @@ def tables(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def restart_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The restart tier's rows of ``recovery.json`` (the in-place tier's are ``bench/in_place.py``'s)."""
+    return [r for r in result["rows"] if r.get("tier", "restart") == "restart"]
+
+
 def front_page(result: dict[str, Any]) -> str:
     """The README's sentence on recovery, from ``recovery.json`` (a test holds the README equal to it)."""
-    rows, soaked = result["rows"], result["soak"]
+    rows, soaked = restart_rows(result), result["soak"]
     mttr = [r["mttr_s"] for r in rows]
     lost = sorted({r["steps_lost"] for r in rows})
     exact = "bit-identical" if all(r["exact"] for r in rows) else "NOT identical"
@@ -445,7 +450,13 @@ def main(argv: list[str] | None = None) -> None:
         "grow_back": grown,
     }
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "recovery.json").write_text(json.dumps(result, indent=1) + "\n")
+    path = a.out / "recovery.json"
+    if path.exists():  # the in-place tier's rows and facts (python -m dynmo_lightning.bench.in_place) stay
+        earlier = json.loads(path.read_text())
+        result["rows"] += [r for r in earlier["rows"] if r.get("tier") == "in_place"]
+        if "in_place" in earlier:
+            result["in_place"] = earlier["in_place"]
+    path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({"rows": [{k: r[k] for k in ("phase", "background_checkpoints", "mttr_s", "steps_lost",
                                                    "after_over_ideal", "exact")} for r in rows],
                       "overhead": result["checkpoint_overhead"]["summary"],

@@ -30,6 +30,7 @@ class Composition:
         on_release: ``balancer.on_release``.
         min_stages: ``balancer.min_stages``.
         tied_ends: the first and the last pipeline layer share a parameter (tied embeddings).
+        on_peer_lost: ``strategy.on_peer_lost`` (``"stop"`` or ``"recover"``).
     """
 
     data_parallel: str = "ddp"
@@ -43,6 +44,7 @@ class Composition:
     on_release: str = "exit"
     min_stages: int = 1
     tied_ends: bool = False
+    on_peer_lost: str = "stop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +136,17 @@ def _wait_with_replicas_or_parts(c: Composition) -> str:
     )
 
 
+def _recover_without_whole_replicas(c: Composition) -> str:
+    # A lost process's layers come from a replica that holds them whole; FSDP2 and tensor parallelism hold parts,
+    # and a lost part has no other holder.
+    return (
+        "strategy.on_peer_lost='recover' takes a lost process's layers from a replica that holds them whole: it needs "
+        "strategy.data_parallel_size >= 2 with data_parallel='ddp' or 'replicate' and no tensor parallelism (got "
+        f"data_parallel_size={c.data_parallel_size}, data_parallel={c.data_parallel!r}, tensor_parallel_size="
+        f"{c.tensor_parallel_size}). Use on_peer_lost='stop' with auto_resume (recovery by restart) otherwise"
+    )
+
+
 #: Every combination refused, in the order a job is told of the first that applies.
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(
@@ -185,6 +198,14 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda c: c.repack and c.on_release == "wait" and (c.tensor_parallel_size > 1 or c.data_parallel_size > 1),
         _wait_with_replicas_or_parts,
         Composition("fsdp", 2, repack=True, on_release="wait"),
+    ),
+    Refusal(
+        53,
+        lambda c: c.on_peer_lost == "recover" and (
+            c.data_parallel_size < 2 or c.data_parallel == "fsdp" or c.tensor_parallel_size > 1
+        ),
+        _recover_without_whole_replicas,
+        Composition("fsdp", 2, on_peer_lost="recover"),
     ),
 )
 

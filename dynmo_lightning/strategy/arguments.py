@@ -16,6 +16,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 
 from dynmo_lightning.pipeline.checkpoint import sharded
+from dynmo_lightning.pipeline.elastic.lost import check_on_peer_lost
 from dynmo_lightning.pipeline.parallel.compiled import check_options
 from dynmo_lightning.recompute import Policy
 from dynmo_lightning.strategy import checks
@@ -82,6 +83,12 @@ class StrategySettings:
     from the newest complete checkpoint in the run's checkpoint directories, if they hold one, on whatever world the
     restart gave, without a ``ckpt_path`` (a ``ckpt_path`` older than it yields to it); elsewhere, only when the
     job was restarted (docs/reliability.md)."""
+    on_peer_lost: str = "stop"
+    """What the job does when one of its processes dies: ``"stop"`` (every process exits within
+    ``heartbeat_timeout`` naming it; with ``auto_resume`` a job manager's restart resumes from the newest checkpoint)
+    or ``"recover"`` (the survivors go on without a restart: the intact replicas re-form the world, take over the lost
+    replicas' data and re-run the interrupted step; needs ``data_parallel_size >= 2`` with ``ddp`` or ``replicate``,
+    under torchrun; docs/reliability.md)."""
     async_checkpoint: bool = False
     """Write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``): a save copies the
     stage's tensors to host memory and training goes on while a thread writes them; the checkpoint appears at its
@@ -103,6 +110,7 @@ class StrategySettings:
         if not isinstance(self.partition, str):  # a Hydra ListConfig, a tuple: plain integers
             self.partition = [int(n) for n in self.partition]
         check_options(self.compile)
+        check_on_peer_lost(self.on_peer_lost, self.data_parallel, self.data_parallel_size, self.tensor_parallel_size)
         checks.check_fsdp_memory(self.fsdp_memory, self.data_parallel, self.schedule)
         if self.checkpoint_format not in sharded.FORMATS:
             raise ValueError(f"checkpoint.format={self.checkpoint_format!r} is not one of {list(sharded.FORMATS)}")

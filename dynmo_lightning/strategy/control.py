@@ -12,7 +12,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collections
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -25,6 +27,8 @@ from dynmo_lightning.pipeline.stage.migration import MigrationStats
 from dynmo_lightning.pipeline.stage.neighbours import NeighbourStats, run_stage
 from dynmo_lightning.pipeline.stage.reduce import replicas_in_sync
 from dynmo_lightning.pipeline.stage.runtime import StagePlan
+from dynmo_lightning.pipeline.topology.data import TakenShards
+from dynmo_lightning.pipeline.topology.heartbeats import PeerLostError
 from dynmo_lightning.pipeline.topology.world import World
 from dynmo_lightning.profiling import DeviceClock
 
@@ -90,6 +94,60 @@ class PipelineHandle:
         self.schedule_span: tuple[DeviceClock, Any, Any] | None = None
         #: Batch size the sampler delivered in the last training step (before a replica takes its part).
         self.batch_size: int | None = None
+        #: The data shards of lost replicas this replica trains on too (after a recovery without restart).
+        self.taken: TakenShards | None = None
+
+    # --- recovery without restart (pipeline/elastic/lost.py) --------------------------------------------------------
+    def recover(self, error: PeerLostError) -> None:
+        """Go on without the lost process of ``error`` (every survivor; re-raised where it cannot be survived).
+
+        The survivors' world is formed and adopted and this replica takes over its share of the lost replicas' data;
+        the caller runs the step again from its beginning (its gradients start from none, as every step's do).
+        """
+        lost = getattr(error, "lost", None)
+        module = self._strategy.lightning_module
+        if self.resizer.in_place is None or not lost or module is None:
+            raise error
+        survivors = self.resizer.recover(self.local, lost)
+        taken = survivors.taken[self.world.dp_rank]
+        if taken:
+            self.taken = TakenShards(module.trainer.train_dataloader, taken)
+
+    def surviving(self, call: Callable[[], Any]) -> Any:
+        """``call()``; recovering without restart, once more on the survivors' world if a process was lost in it."""
+        while True:
+            try:
+                return call()
+            except PeerLostError as lost:
+                self.recover(lost)
+
+    def with_taken_shards(self, batch: Any) -> Any:
+        """``batch`` and, after a recovery, the same step's batches of the data shards this replica took over."""
+        if self.taken is None or self._strategy.lightning_module is None:
+            return batch
+        trainer = self._strategy.lightning_module.trainer
+        for extra in self.taken.batches(trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx):
+            extra = self._strategy.batch_to_device(extra)
+            batch = apply_to_collections(batch, extra, Tensor, lambda a, b: torch.cat([a, b]))
+        return batch
+
+    def committed(self, closure: Callable[[], Any]) -> Any:
+        """Run a step's ``closure`` until every process finished the step; the optimizer applies it afterwards.
+
+        A process lost before every process voted (:meth:`~dynmo_lightning.pipeline.elastic.lost.InPlace.commit`)
+        means nobody applies the step: the survivors recover and run it again.
+        """
+        in_place = self.resizer.in_place
+        assert in_place is not None and self._strategy.lightning_module is not None
+        step = self._strategy.lightning_module.trainer.global_step
+        while True:
+            result = closure()
+            try:
+                with self.world.phase(f"training step {step} (commit of the optimizer step)"):
+                    in_place.commit(step, self.world.size)
+                return result
+            except PeerLostError as lost:
+                self.recover(lost)
 
     # --- the strategy's settings and the world's facts, as the roles read them (docs: core/control.py) ----------
     n_microbatches = Forwarded("_strategy")
@@ -212,8 +270,11 @@ class PipelineHandle:
         new = StagePlan(tuple(lps), self.world.pp_size, self.schedule)
         if new == self.local.plan:
             return MigrationStats(moves=[])
-        with self.world.phase(f"layer migration {self.layers_per_stage} -> {lps}"):
-            stats = self.local.migrate(new, self._strategy.optimizers)
+        try:
+            with self.world.phase(f"layer migration {self.layers_per_stage} -> {lps}"):
+                stats = self.local.migrate(new, self._strategy.optimizers)
+        except PeerLostError as lost:
+            return self._survive(lost)
         return self._record(Resized(stats, {"step": self._step(), "layers_per_stage": lps}))
 
     @property
@@ -244,8 +305,11 @@ class PipelineHandle:
     def shrink(self, keep_ranks: list[int], layers_per_stage: list[int], *, on_release: str = "exit",
                release_to: release.ReleaseHandler | None = None) -> MigrationStats:  # fmt: skip
         """Consolidate onto pipeline ranks ``keep_ranks``, release the others (collective; :meth:`Resizer.shrink`)."""
-        resized = self.resizer.shrink(self.local, keep_ranks, layers_per_stage, batch_size=self.batch_size,
-                                      on_release=on_release, release_to=release_to)  # fmt: skip
+        try:
+            resized = self.resizer.shrink(self.local, keep_ranks, layers_per_stage, batch_size=self.batch_size,
+                                          on_release=on_release, release_to=release_to)  # fmt: skip
+        except PeerLostError as lost:
+            return self._survive(lost)
         return self._record(resized)
 
     def grow(self, layers_per_stage: list[int]) -> MigrationStats:
@@ -259,6 +323,19 @@ class PipelineHandle:
     def _step(self) -> int:
         module = self._strategy.lightning_module
         return module.trainer.global_step if module is not None else -1
+
+    def _survive(self, lost: PeerLostError) -> MigrationStats:
+        """A process was lost during a migration or a consolidation: the survivors go on (or ``lost`` is raised).
+
+        Both are two-phase (every transfer done and agreed before anything is committed): each surviving pipeline
+        holds its old partition or, where its agreement completed, the new one, every layer once. The survivors run
+        the partition their stages hold; the balancer plans again from it.
+        """
+        self.recover(lost)
+        lps = self.layers_per_stage
+        if not self.partitions or self.partitions[-1]["layers_per_stage"] != lps:
+            self.partitions.append({"step": self._step(), "layers_per_stage": lps})
+        return MigrationStats(moves=[])
 
     def _record(self, resized: Resized) -> MigrationStats:
         self.partitions.append(resized.partition)  # the handle alone writes the partition history

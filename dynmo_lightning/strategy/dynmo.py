@@ -38,6 +38,7 @@ from dynmo_lightning.pipeline.checkpoint import single_file as ckpt
 from dynmo_lightning.pipeline.checkpoint.resume import count_the_epoch_in_progress
 from dynmo_lightning.pipeline.elastic import survivors as groups
 from dynmo_lightning.pipeline.elastic.lifetimes import torchrun_world_store
+from dynmo_lightning.pipeline.elastic.lost import InPlace, check_job_store
 from dynmo_lightning.pipeline.parallel.data_parallel import FSDP_MODES, StageSharding
 from dynmo_lightning.pipeline.parallel.tensor_parallel import TensorParallel
 from dynmo_lightning.pipeline.stage.evaluation import PipelineEvaluation
@@ -45,7 +46,8 @@ from dynmo_lightning.pipeline.stage.local import LocalStages
 from dynmo_lightning.pipeline.stage.reduce import GlobalNormClipping
 from dynmo_lightning.pipeline.stage.runtime import first_dim
 from dynmo_lightning.pipeline.topology import pending
-from dynmo_lightning.pipeline.topology.data import shard_dataloader
+from dynmo_lightning.pipeline.topology.data import TakenShards, shard_dataloader
+from dynmo_lightning.pipeline.topology.heartbeats import PeerLostError
 from dynmo_lightning.pipeline.topology.world import World
 from dynmo_lightning.profiling import DeviceClock, release_host_memory
 from dynmo_lightning.recompute import checkpoint_policy
@@ -150,6 +152,9 @@ class DynMoStrategy(WrappedPlugins):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         checks.check_world(self.world_size, self.data_parallel_size, self.tensor_parallel_size)
+        if self.settings.on_peer_lost == "recover" and self._pipeline.resizer.in_place is None:
+            check_job_store()
+            self._pipeline.resizer.in_place = InPlace(self._world.timeout)
         device = self.root_device
         backend = self.process_group_backend or fabric_dist._get_default_process_group_backend_for_device(device)
         self.process_group_backend = backend
@@ -214,6 +219,8 @@ class DynMoStrategy(WrappedPlugins):
         self.precision_plugin.clip_by_norm = GlobalNormClipping(
             handle.local.split.param_order, handle.local.param_names, world, sharded=in_parts
         )
+        if handle.resizer.in_place is not None:  # an optimizer step is applied once every process is done with it
+            self.precision_plugin.run_closure = handle.committed
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -235,6 +242,12 @@ class DynMoStrategy(WrappedPlugins):
         world = self._world
         n_parts = world.layout.parts[world.dp_rank][1] if world.layout else 1
         checks.check_batch_sizes([self.lightning_module.trainer.train_dataloader], self.n_microbatches, n_parts)
+        if self._pipeline.resizer.in_place is not None:  # a replica must be able to take over a lost one's data
+            try:
+                TakenShards(self.lightning_module.trainer.train_dataloader, [])
+            except ValueError as e:
+                raise ValueError(f"strategy.on_peer_lost='recover': {e} (the strategy shards a map-style DataLoader "
+                                 "with a batch_size itself; use on_peer_lost='stop' otherwise)") from None
 
     @override
     def on_validation_start(self) -> None:
@@ -242,10 +255,17 @@ class DynMoStrategy(WrappedPlugins):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        batch = args[0] if args else kwargs["batch"]
+        while True:
+            try:
+                return self._training_step(self._pipeline.with_taken_shards(batch))
+            except PeerLostError as lost:  # recovering without restart: the step again, on the survivors' world
+                self._pipeline.recover(lost)
+
+    def _training_step(self, batch: Any) -> Tensor:
         assert self.lightning_module is not None
         module, world, handle = self.lightning_module, self._world, self._pipeline
-        inputs, target, handle.batch_size = step_batch(module, world, args[0] if args else kwargs["batch"],
-                                                       self.n_microbatches, train=True)  # fmt: skip
+        inputs, target, handle.batch_size = step_batch(module, world, batch, self.n_microbatches, train=True)
         clock = DeviceClock(self.root_device)
         start = clock.now()
         params = [p for p in module.parameters() if p.requires_grad]
@@ -301,25 +321,35 @@ class DynMoStrategy(WrappedPlugins):
     # --- collectives (over the whole job, as Lightning expects) ------------------------------------------------------
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        if fabric_dist._distributed_is_initialized():
-            with self._world.phase(f"a barrier ({name or 'Lightning'})"):
-                groups.barrier(self.root_device)
+        def barrier() -> None:
+            if fabric_dist._distributed_is_initialized():
+                with self._world.phase(f"a barrier ({name or 'Lightning'})"):
+                    groups.barrier(self.root_device)
+
+        self._pipeline.surviving(barrier)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not fabric_dist._distributed_is_initialized():
-            return obj
-        payload = [obj]
-        with self._world.phase("a broadcast"):  # host data: over the job's CPU group once it exists
-            dist.broadcast_object_list(payload, src, group=self._world.host_group)
-        return payload[0]
+        def broadcast() -> TBroadcast:
+            if not fabric_dist._distributed_is_initialized():
+                return obj
+            payload = [obj]
+            with self._world.phase("a broadcast"):  # host data: over the job's CPU group once it exists
+                dist.broadcast_object_list(payload, src, group=self._world.host_group)
+            return payload[0]
+
+        return self._pipeline.surviving(broadcast)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if not isinstance(tensor, Tensor):
             return tensor
-        with self._world.phase("a reduction of logged values"):
-            return fabric_dist._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+        def reduce() -> Any:
+            with self._world.phase("a reduction of logged values"):
+                return fabric_dist._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+        return self._pipeline.surviving(reduce)
 
     # --- checkpoints: one file, the unsplit model's keys, optimizer state by name (pipeline/checkpoint/) -------------
     @property
@@ -337,12 +367,19 @@ class DynMoStrategy(WrappedPlugins):
         world = self._world
         if world.layout is None:
             return
-        checkpoint["dynmo"] = ckpt.record_layout(self._pipeline.partitions, self.world_size, world.layout)
         in_parts, units = self.data_parallel == "fsdp", self.data_parallel in FSDP_MODES
         tp = self.tensor_parallel_size > 1
-        with world.phase(f"checkpoint save ({os.fspath(filepath)})"):
-            merged = sharded.save(checkpoint, filepath, world.mesh, self.checkpoint_format, in_parts or tp, units or tp,
-                                  background=self.settings.async_checkpoint)  # fmt: skip
+        while True:
+            checkpoint["dynmo"] = ckpt.record_layout(self._pipeline.partitions, self.world_size, world.layout)
+            try:
+                with world.phase(f"checkpoint save ({os.fspath(filepath)})"):
+                    merged = sharded.save(checkpoint, filepath, world.mesh, self.checkpoint_format, in_parts or tp,
+                                          units or tp, background=self.settings.async_checkpoint)  # fmt: skip
+                    if self._pipeline.resizer.in_place is not None:  # a loss anywhere in the save: all write again
+                        groups.barrier(self.root_device)
+                break
+            except PeerLostError as lost:  # recovering without restart: written again, by the survivors
+                self._pipeline.recover(lost)
         if merged is not None and self.is_global_zero:
             self.checkpoint_io.save_checkpoint(merged, filepath, storage_options=storage_options)
         release_host_memory()  # the write's buffers: back to the system, not kept in the heap

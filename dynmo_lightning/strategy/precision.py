@@ -30,6 +30,9 @@ class PipelinePrecision(Precision):
         self.inner = inner
         #: Set by the strategy once the model is split; until then clipping by norm is the plugin's own.
         self.clip_by_norm: Callable[[Optimizer, float], None] | None = None
+        #: Set by the strategy when it recovers without restart: runs a step's closure (forward, backward, hooks,
+        #: clipping) until every process finished it, before the optimizer applies the step. ``None``: as is.
+        self.run_closure: Callable[[Callable[[], Any]], Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
         # Attributes of the wrapped plugin (`precision`, `scaler`, ...); only called for names not found here.
@@ -45,10 +48,36 @@ class PipelinePrecision(Precision):
             self.clip_by_norm(optimizer, float(clip_val))
 
 
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.run_closure is not None:
+            optimizer = _CommittedSteps(optimizer, self.run_closure)
+        return self.inner.optimizer_step(optimizer, model, closure, **kwargs)
+
+
+class _CommittedSteps:
+    """An optimizer whose ``step`` runs its closure through ``run_closure`` before it applies the update.
+
+    The closure is the plugin's wrapper: the clipping's communication belongs to the step.
+    """
+
+    def __init__(self, optimizer: Any, run_closure: Callable[[Callable[[], Any]], Any]) -> None:
+        self._optimizer, self._run_closure = optimizer, run_closure
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        if closure is None:
+            return self._optimizer.step(**kwargs)
+        return self._optimizer.step(closure=lambda: self._run_closure(closure), **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
 #: The hooks of Lightning's ``Precision`` that are the wrapped plugin's own, called with the same arguments. Not among
 #: them: ``clip_grad_by_norm`` (above) and ``clip_gradients``, whose base implementation calls this class's clipping.
-#: ``optimizer_step`` is: the plugin's closure wrapper calls the LightningModule's clipping hook, which lands in
-#: ``clip_gradients`` of the Trainer's precision plugin, this one.
+#: ``optimizer_step`` is, through a committing optimizer when the strategy recovers without restart: the plugin's
+#: closure wrapper calls the LightningModule's clipping hook, which lands in ``clip_gradients`` of the Trainer's
+#: precision plugin, this one.
 DELEGATED = (
     "clip_grad_by_value",
     "connect",
@@ -61,7 +90,6 @@ DELEGATED = (
     "pre_backward",
     "backward",
     "post_backward",
-    "optimizer_step",
     "main_params",
     "unscale_gradients",
     "train_step_context",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dynmo_lightning.bench import recovery
+from dynmo_lightning.bench import in_place, recovery
 from dynmo_lightning.bench.kills import PHASES, KillAt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,10 +67,37 @@ def test_the_reliability_page_shows_the_committed_figures():
     page = (ROOT / "docs" / "reliability.md").read_text()
     assert recovery.tables(result) in page, "regenerate: python -c 'from dynmo_lightning.bench import recovery ...'"
     assert all(row["exact"] for row in result["rows"]) and result["soak"]["exact"]
-    assert {row["phase"] for row in result["rows"]} == set(PHASES)
+    assert {row["phase"] for row in recovery.restart_rows(result)} == set(PHASES[:5])  # the phases of a step
+    moved = in_place.rows(result)
+    assert in_place.tables(moved) in page, "regenerate: python -m dynmo_lightning.bench.in_place --out docs/bench"
+    assert {row["phase"] for row in moved} == set(PHASES)  # and a migration's, a consolidation's
+    assert all(row["exact"] and row["steps_lost"] == 0 for row in moved)
 
 
-def test_the_front_page_sentence_is_the_committed_result():
+def test_in_place_figures_come_from_the_survivors_records(tmp_path):
+    steps = [{"event": "step", "restart": 0, "world": 4, "step": s, "tokens": 512, "time": float(s)} for s in
+             range(1, 21)]  # fmt: skip
+    steps += [{"event": "step", "restart": 0, "world": 2, "step": s, "tokens": 512, "time": 20.0 + (s - 20) / 2}
+              for s in range(21, 41)]  # fmt: skip  (step 20 again, from 23.5 s, faster: the test's numbers)
+    steps[20]["time"] = 23.5
+    _write(tmp_path / recovery.STEPS, steps)
+    _write(tmp_path / recovery.FAULTS, [{"rank": 3, "step": 20, "phase": "forward", "time": 20.5}])
+    _write(tmp_path / in_place.LOSSES, [{"step": s, "loss": 5.0 - s / 10} for s in range(40)])
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    _write(reference / in_place.LOSSES, [{"step": s, "loss": 5.0 - s / 10 + (1e-7 if s > 30 else 0)} for s in
+                                          range(40)])  # fmt: skip
+    facts = in_place.measure(tmp_path, reference)
+    assert facts["steps_lost"] == 0 and facts["mttr_s"] == pytest.approx(3.0)
+    assert (facts["world_before"], facts["world_after"]) == (4, 2) and facts["exact"]
+    assert facts["ideal_tokens_per_s_after"] == pytest.approx(facts["tokens_per_s_before"] / 2)
+    _write(reference / in_place.LOSSES, [{"step": s, "loss": 5.0 - s / 10 + (1e-3 if s > 30 else 0)} for s in
+                                          range(40)])  # fmt: skip
+    assert not in_place.measure(tmp_path, reference)["exact"]
+
+
+def test_the_front_page_sentences_are_the_committed_result():
     result = json.loads((ROOT / "docs" / "bench" / "recovery.json").read_text())
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert " ".join(recovery.front_page(result).split()) in readme
+    assert " ".join(in_place.front_page(result).split()) in readme

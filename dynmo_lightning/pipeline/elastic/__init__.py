@@ -5,4 +5,5 @@
 * ``release`` - telling the job manager (Slurm, a command) which ranks and whole nodes a consolidation freed.
 * ``resize`` - the strategy's shrink and grow (``Resizer``: it changes the ``World`` in place, returns ``Resized``).
 * ``lifetimes`` - a fresh world per Trainer call in one process, every world ended in order at exit.
+* ``lost`` - recovery without restart: where the survivors of a loss meet and agree, who goes on, the step's commit.
 """

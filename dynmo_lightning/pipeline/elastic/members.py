@@ -19,6 +19,7 @@ still moved to the batch the others are at.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 from collections.abc import Sequence
 from datetime import timedelta
@@ -142,6 +143,21 @@ class ElasticWorld:
         self.origins = [self.origins[g] for g in order]
         self.releases.append(dataclasses.asdict(event))
         return resized, view, event
+
+    def regroup(
+        self, members: list[int], me: int, environment: ClusterEnvironment, main_port: int
+    ) -> tuple[groups.ResizedEnvironment, groups.WorldView]:
+        """The survivors ``members`` (old global ranks) of a loss are the world now (its process group is started).
+
+        Every member's view then agrees, as after a shrink; the lost processes are forgotten (they do not wait).
+        """
+        view = groups.world_view(members, me, [node for node, _ in self.hosts], main_port)
+        os.environ.update(view.environ())
+        self.hosts = [self.hosts[g] for g in members]
+        self.origins = [self.origins[g] for g in members]
+        resized = groups.ResizedEnvironment(environment, view.world_size, view.rank, main_port, view.local_rank,
+                                            view.node_rank)  # fmt: skip
+        return resized, view
 
     # --- grow --------------------------------------------------------------------------------------------------------
     def call_plan(self, layers_per_stage: list[int], current: list[int], ports: list[int], step: int) -> dict[str, Any]:

@@ -16,6 +16,8 @@ job manager (:mod:`~dynmo_lightning.pipeline.elastic.release`).
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,13 +30,17 @@ from dynmo_lightning import balance
 from dynmo_lightning.pipeline.elastic import members as elastic
 from dynmo_lightning.pipeline.elastic import release
 from dynmo_lightning.pipeline.elastic import survivors as groups
+from dynmo_lightning.pipeline.elastic.lost import InPlace, Survivors, plan_survivors
 from dynmo_lightning.pipeline.elastic.members import ElasticWorld
 from dynmo_lightning.pipeline.stage.local import LocalStages
 from dynmo_lightning.pipeline.stage.migration import MigrationStats
 from dynmo_lightning.pipeline.stage.runtime import StagePlan
+from dynmo_lightning.pipeline.topology.heartbeats import PeerLostError
 from dynmo_lightning.pipeline.topology.pending import end_default_group
 from dynmo_lightning.pipeline.topology.ranks import ReplicaLayout
 from dynmo_lightning.pipeline.topology.world import World
+
+log = logging.getLogger(__name__)
 
 
 class ResizeHost(Protocol):
@@ -92,6 +98,8 @@ class Resizer:
         self._host, self._world = host, world
         #: The job's processes across restarts of the world: their nodes, stable ids, who waits to come back.
         self._elastic = ElasticWorld()
+        #: Recovery without restart (``strategy.on_peer_lost="recover"``); ``None``: a lost process ends the job.
+        self.in_place: InPlace | None = None
 
     @property
     def releases(self) -> list[dict[str, Any]]:
@@ -109,7 +117,62 @@ class Resizer:
         assert environment is not None
         world.adopt(ReplicaLayout.even(world.size, world.data_parallel_size, world.tensor_parallel_size))
         self._elastic.start(node_rank)
-        world.heartbeats.start(environment, *groups.host_stores(1, environment.main_address, world.timeout))
+        self._start_heartbeats(environment, *groups.host_stores(1, environment.main_address, world.timeout))
+
+    def _start_heartbeats(self, environment: ClusterEnvironment, stores: list[Any], ports: list[int]) -> None:
+        """This world's heartbeats: in rank 0's store, or, recovering without restart, in the job manager's."""
+        in_place, heartbeats = self.in_place, self._world.heartbeats
+        if in_place is None:
+            heartbeats.start(environment, stores, ports)
+            return
+        in_place.start(self._host.broadcast)
+        heartbeats.start(environment, stores, ports, outside=in_place.heartbeat_store(), on_lost=in_place.on_lost)
+
+    def recover(self, stages: LocalStages, lost: list[int]) -> Survivors:
+        """Go on without the ``lost`` processes: the intact replicas' processes start a new world (see ``lost.py``).
+
+        Called by every survivor once a distributed call failed on a lost peer (the broken world's groups are
+        abandoned by then). A process of a broken replica ends here (status 0: its stage is incomplete, the intact
+        replicas take over its data); the others return the new world's plan, its layout adopted and the layers in
+        place.
+
+        Raises:
+            PeerLostError: the loss cannot be survived in place (no intact replica; uneven shards).
+        """
+        world, in_place = self._world, self.in_place
+        assert in_place is not None and world.layout is not None and world.environment is not None
+        started = time.monotonic()
+        agreed = in_place.agree(lost)
+        if in_place.shards_taken:
+            raise PeerLostError(f"rank {agreed} lost after replicas took over lost replicas' data: not survived")
+        lps, empty = list(stages.plan.layers_per_stage), []
+        if stages.packed is not None:  # a consolidation committed its moves before the loss: its kept ranks go on
+            keep, lps = stages.packed
+            empty = [p for p in range(world.layout.pp_size) if p not in keep]
+        plan = plan_survivors(world.layout, agreed, empty)
+        in_place.shards_taken = any(plan.taken)
+        world.heartbeats.stop()
+        # the interrupted step may have left units gathered (their modules holding whole, plain parameters)
+        stages.sharding.reshard([stages.module])
+        me, step = world.rank, self._host.lightning_module.trainer.global_step
+        if me not in plan.members:
+            log.warning("rank %d leaves: rank %s of its replica was lost; the intact replicas go on", me, agreed)
+            end_default_group()
+            groups.end_process()
+        end_default_group()
+        args = self._world_args()
+        kwargs = {"device_id": args["device"]} if args["device"].type == "cuda" else {}
+        origins = self._elastic.origins  # start-up ranks, the processes' stable ids (for the record)
+        record = {"step": step, "lost": [origins[r] for r in agreed], "members": [origins[r] for r in plan.members],
+                  "ranks_lost": agreed}  # fmt: skip
+        in_place.rejoin(plan.members.index(me), len(plan.members), args["backend"], kwargs)
+        environment, view = self._elastic.regroup(plan.members, me, args["environment"], in_place.port)
+        world.adopt(plan.layout, environment, view.num_nodes)
+        self._start_heartbeats(environment, [None], [in_place.port])
+        kept = StagePlan(tuple(lps), world.pp_size, self._host.schedule)
+        stages.adopt(kept, world.pipeline, self._host.optimizers)
+        in_place.recoveries.append({**record, "seconds": time.monotonic() - started})
+        return plan
 
     def end(self) -> None:
         """Training ended: the heartbeats stop, and processes released with ``on_release="wait"`` may exit."""
@@ -165,7 +228,9 @@ class Resizer:
             dist.barrier()
         world.heartbeats.stop()  # the old world's heartbeats end with it (released processes fall silent on purpose)
         trainer, args = host.lightning_module.trainer, self._world_args()
-        self._elastic.keep_control(stores[1], ports[1])
+        control = self._elastic.keep_control(stores[1], ports[1])
+        if self.in_place is not None:  # released processes may wait on it: a recovery keeps its connections
+            self.in_place.keep.add(control)
         if world.rank not in layout.order:
             call = self._elastic.leave(trainer, on_release, **args)
             return self._join(stages, call, [None, None], call.pop("state"))  # called back by a grow
@@ -243,5 +308,5 @@ class Resizer:
         """Run ``plan`` (layers in place) with ``layout`` in the new world of ``environment``."""
         world = self._world
         world.adopt(layout, environment, view.num_nodes)  # the world's groups, environment and nodes, in place
-        world.heartbeats.start(environment, stores, ports)
+        self._start_heartbeats(environment, stores, ports)
         stages.adopt(plan, world.pipeline, self._host.optimizers)

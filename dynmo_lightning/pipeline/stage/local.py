@@ -101,6 +101,9 @@ class LocalStages:
         self._profiled: dict[int, dict[str, float]] | None = None
         self._pending: list[tuple[Tensor, Tensor]] = []
         self._changed: dict[int, set[int]] = {}  # optimizer steps done -> layers the dynamics changed
+        #: ``(keep_ranks, layers_per_stage)`` of a consolidation whose layer moves are committed and whose new world
+        #: is not adopted yet (a loss in between leaves the survivors there); ``None`` otherwise.
+        self.packed: tuple[list[int], list[int]] | None = None
 
     @classmethod
     def from_module(
@@ -344,6 +347,7 @@ class LocalStages:
         self._drop_stages()  # as in :meth:`migrate`
         args = (self.slots, optimizers, self.plan, keep_ranks, layers_per_stage, copies)
         stats = pack(*args, pipe=self.pipe, job=job, sharding=self.sharding)
+        self.packed = (list(keep_ranks), list(layers_per_stage))
         release_cached_memory(self.device)
         return stats
 
@@ -354,6 +358,7 @@ class LocalStages:
         collective over every stage group of the new world).
         """
         self._drop_stages()
+        self.packed = None
         rehome(self.slots, optimizers, self.device, self.sharding, self._apply_parts)
         self.shard()  # compiled again where a layer was taken apart
         self.runtime.set_plan(plan, pipe)

@@ -215,7 +215,7 @@ def rehome(
     indices = [i for i in slots.local_indices() if held_in_parts(slots.get(i))]
     if not indices:
         return
-    if all(_same_places(slots.get(i), sharding) for i in indices):
+    if all(_same_places(slots.get(i), sharding) or _replicated(slots.get(i)) for i in indices):
         for i in indices:
             _in_place(slots, i, optimizers, device, sharding)
         return
@@ -236,6 +236,19 @@ def _same_places(layer: nn.Module, sharding: StageSharding) -> bool:
         if tuple(old.shape) != tuple(new.shape) or _place_in(old) != _place_in(new):
             return False
     return True
+
+
+def _replicated(layer: nn.Module) -> bool:
+    """Whether every part of ``layer`` is whole on every process of its replica group (``replicate``'s units).
+
+    Such a layer is a unit again around its own tensors whatever its place in the new group: after a loss the
+    survivors of a replica group hold no place in common with the old one, and need none.
+    """
+    return all(
+        all(placement.is_replicate() for placement in p.placements)
+        for p in layer.parameters()
+        if isinstance(p, DTensor)
+    )
 
 
 def _place_in(mesh: Any) -> tuple[int, ...]:
@@ -297,8 +310,9 @@ class Regather:
         places = [torch.empty(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(places, torch.tensor([self.place], device=device), group=self.group)
         held = [int(t.item()) for t in places]
-        #: The new group's rank that sends each old place's part.
-        self.sender = [held.index(j) for j in range(self.old_size)]
+        #: The new group's rank that sends each old place's part (``None``: no process holds it any more, as after
+        #: a loss; only parts replicated over the old group, whole on every process, can then be made whole).
+        self.sender = [held.index(j) if j in held else None for j in range(self.old_size)]
 
     def __call__(self, t: DTensor) -> Tensor:
         """``t`` whole (collective over the new replica group, and its tensor-parallel group for a 2-D ``t``)."""
@@ -308,6 +322,9 @@ class Regather:
             shape = _chunk_shapes(shape, tp[0], self.tp_size)[dist.get_rank(self.tp_group)]
         local = t.to_local()
         if dp is not None:
+            if None in self.sender:
+                missing = [j for j, sender in enumerate(self.sender) if sender is None]
+                raise RuntimeError(f"the parts of places {missing} of the replica group are held by no process")
             me = dist.get_rank(self.group)
             mine = [self.sender[j] == me and self.place == j for j in range(self.old_size)]
             local = _join(local, _chunk_shapes(shape, dp, self.old_size), dp, mine, self.group, self.sender)

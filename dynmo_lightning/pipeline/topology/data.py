@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.utilities.data import _update_dataloader
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 
 def shard_dataloader(dataloader: Any, shard: int, n_shards: int, seed: int) -> Any:
@@ -75,3 +84,55 @@ def _sampler_settings(sampler: Any, n_shards: int, seed: int) -> tuple[bool, int
     if shuffle and sampler.generator is not None and n_shards == 1:
         return None  # the user seeded it: every stage draws the same order
     return shuffle, seed, False
+
+
+class _From(Sampler):
+    """``sampler``'s indices from position ``start`` on (a data shard resumed at a batch of its epoch)."""
+
+    def __init__(self, sampler: Sampler, start: int) -> None:
+        self.sampler, self.start = sampler, start
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.sampler), self.start, None)
+
+    def __len__(self) -> int:
+        return max(len(self.sampler) - self.start, 0)  # type: ignore[arg-type]
+
+
+class TakenShards:
+    """Batches of data shards a replica trains on besides its own: those of replicas lost without a restart.
+
+    The batch of step ``i`` of shard ``s`` is the one the lost replica would have read: the same sampler (its
+    shuffle, seed and epoch) over the same dataset, as one shard of the same number. Concatenated with the replica's
+    own batch, every step still trains on the job's whole global batch.
+
+    Args:
+        dataloader: the replica's own training loader (sharded with a ``DistributedSampler``).
+        shards: the shards it takes over.
+
+    Raises:
+        ValueError: the loader is not sharded by a ``DistributedSampler`` with a fixed batch size.
+    """
+
+    def __init__(self, dataloader: Any, shards: list[int]) -> None:
+        sampler = getattr(dataloader, "sampler", None)
+        if not isinstance(dataloader, DataLoader) or not isinstance(sampler, DistributedSampler):
+            raise ValueError("taking over a lost replica's data needs a DataLoader sharded by a DistributedSampler")
+        if dataloader.batch_size is None:
+            raise ValueError("taking over a lost replica's data needs a DataLoader with a batch_size")
+        self.dataloader, self.shards, self.batch_size = dataloader, shards, dataloader.batch_size
+        settings = {"shuffle": sampler.shuffle, "seed": sampler.seed, "drop_last": sampler.drop_last}
+        self._samplers = [DistributedSampler(dataloader.dataset, sampler.num_replicas, s, **settings) for s in shards]
+        self._iterators: list[Iterator[Any]] = []
+        self._next: tuple[int, int] | None = None  # (epoch, batch index) the iterators deliver next
+
+    def batches(self, epoch: int, index: int) -> list[Any]:
+        """The batch of step ``index`` of epoch ``epoch`` of every taken shard (in the order of :attr:`shards`)."""
+        if self._next != (epoch, index):
+            self._iterators = []
+            for sampler in self._samplers:
+                sampler.set_epoch(epoch)
+                loader = _update_dataloader(self.dataloader, _From(sampler, index * self.batch_size))
+                self._iterators.append(iter(loader))
+        self._next = (epoch, index + 1)
+        return [next(it) for it in self._iterators]

@@ -47,7 +47,10 @@ class Watchdog:
         world_size: processes in the job.
         interval: seconds between heartbeats.
         stale_after: a rank whose heartbeat is older than this is lost.
-        store: the store itself, when this process (rank 0) already opened it.
+        store: the store itself, when this process (rank 0) already opened it, or one outside the job's processes
+            (recovery without restart: the job manager's store, so that it outlives any of them).
+        on_lost: called by the watchdog thread with the lost ranks instead of ending this process (recovery without
+            restart: it makes this process's waiting calls fail, so that the main thread recovers).
 
     What the job is doing is named with :meth:`phase`; between phases (:attr:`current` is ``None``) a silent peer is
     not acted on here: whatever this process does next will fail on it, or the job is ending.
@@ -62,9 +65,12 @@ class Watchdog:
         world_size: int,
         interval: float = 2.0,
         stale_after: float = 15.0,
-        store: dist.TCPStore | None = None,
+        store: dist.Store | None = None,
+        on_lost: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.rank, self.world_size = rank, world_size
+        self._on_lost = on_lost
+        self._lock, self._acted = threading.Lock(), False
         self.interval, self.stale_after = interval, stale_after
         #: What the job is doing now (for messages); ``None`` between distributed phases.
         self.current: str | None = None
@@ -133,7 +139,8 @@ class Watchdog:
         except PeerLostError:
             raise
         except Exception as e:
-            if is_distributed_failure(e):
+            # Once a loss is known, whatever failed failed because of it (the abandoned groups' calls).
+            if is_distributed_failure(e) or self._acted:
                 raise self.explain(e, step()) from e
             raise
         finally:
@@ -150,10 +157,14 @@ class Watchdog:
         if lost:
             self._publish(lost)
         who = f"rank {', '.join(map(str, lost))}" if lost else "another process"
-        return PeerLostError(
+        if self._on_lost is not None and lost:
+            self._lost_once(lost)  # peers waiting on this process fail now too: every survivor comes to recover
+        failure = PeerLostError(
             f"{who} of the job was lost during {phase} (step {step}); rank {self.rank} stops too. "
             f"Resume from the last checkpoint. Cause: {type(error).__name__}: {error}"
         )
+        failure.lost = lost  # type: ignore[attr-defined]  # who, for a recovery without restart
+        return failure
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -173,11 +184,24 @@ class Watchdog:
                     f"rank {', '.join(map(str, stale))} of the job stopped responding during {phase}; "
                     f"rank {self.rank} stops too. Resume from the last checkpoint."
                 )
+                if self._on_lost is not None:  # beats go on: the survivors must see each other while they meet
+                    self._lost_once(stale)
+                    continue
                 log.error(message)
                 print(f"[dynmo] {message}", file=sys.stderr, flush=True)
                 # Give the others time to read who was lost before this process (maybe the store's host) ends.
                 time.sleep(2 * self.interval)
                 os._exit(1)  # a blocked collective cannot be interrupted from here: end the process
+
+    def _lost_once(self, lost: list[int]) -> None:
+        """Call ``on_lost`` once per world (from the watchdog thread or the failing call, whichever is first)."""
+        with self._lock:
+            if self._acted:
+                return
+            self._acted = True
+        log.warning("rank %s of the job was lost during %s; recovering without a restart", lost, self.current)
+        assert self._on_lost is not None
+        self._on_lost(lost)
 
     def stop(self) -> None:
         """Stop beating (training ended normally, or this process was released).
@@ -204,11 +228,25 @@ class Heartbeats:
         self.stale_after, self._step = stale_after, step
         self.watchdog: Watchdog | None = None
 
-    def start(self, environment: ClusterEnvironment, stores: list[dist.TCPStore | None], ports: list[int]) -> None:
-        """Start this process's heartbeats in the world of ``environment``; the last of its host stores serves them."""
-        kwargs = {"interval": min(2.0, self.stale_after / 5), "stale_after": self.stale_after, "store": stores[-1]}
+    def start(
+        self,
+        environment: ClusterEnvironment,
+        stores: list[dist.TCPStore | None],
+        ports: list[int],
+        *,
+        outside: dist.Store | None = None,
+        on_lost: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        """Start this process's heartbeats in the world of ``environment``.
+
+        The last of its host stores serves them, or ``outside``: a store no process of the job hosts (recovery
+        without restart), whose watchdog calls ``on_lost`` instead of ending the process.
+        """
+        store = outside if outside is not None else stores[-1]
+        kwargs = {"interval": min(2.0, self.stale_after / 5), "stale_after": self.stale_after, "store": store}
         rank, size = environment.global_rank(), environment.world_size()
-        self.watchdog = Watchdog(environment.main_address, ports[-1], rank=rank, world_size=size, **kwargs)
+        self.watchdog = Watchdog(environment.main_address, ports[-1], rank=rank, world_size=size, on_lost=on_lost,
+                                 **kwargs)  # fmt: skip
 
     def stop(self) -> None:
         """End this world's heartbeats (before the world ends, or at the end of training)."""
@@ -222,7 +260,22 @@ class Heartbeats:
 
 
 def is_distributed_failure(error: BaseException) -> bool:
-    """Whether ``error`` comes from a peer's failure rather than from this process's own code."""
+    """Whether ``error`` comes from a peer's failure rather than from this process's own code.
+
+    The errors it was raised from count too: torch's pipelining stages re-raise a failed receive as their own
+    ``RuntimeError`` ("Failed to run stage backward"), the cause chained.
+    """
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if _names_a_peer(error):
+            return True
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return False
+
+
+def _names_a_peer(error: BaseException) -> bool:
+    """Whether ``error`` itself reads as a failed distributed call."""
     text = f"{type(error).__name__}: {error}"
     markers = (
         "DistBackendError",
