@@ -31,7 +31,9 @@ from typing_extensions import override
 from dynmo_lightning.pipeline.checkpoint.resume import restart_count
 
 #: Where in a step a fault can strike.
-PHASES = ("step", "forward", "backward", "optimizer", "checkpoint", "migration", "consolidation")
+STEP_PHASES = ("step", "forward", "backward", "optimizer", "checkpoint")
+#: ... and where it can strike in a balancer's work (a job that migrates or consolidates).
+PHASES = (*STEP_PHASES, "migration", "consolidation")
 
 
 def node_processes(agent: int | None = None) -> list[int]:

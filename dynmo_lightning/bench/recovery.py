@@ -281,13 +281,13 @@ def kill_plan(kills: int, steps: int, every: int, seed: int, ranks: int) -> list
     A ``"checkpoint"`` fault can only strike at a step that writes one (a multiple of ``every``); other phases
     strike anywhere. Attempt ``i`` resumes at or before fault ``i - 1``'s step, so it reaches fault ``i``.
     """
-    from dynmo_lightning.bench.kills import PHASES
+    from dynmo_lightning.bench.kills import STEP_PHASES
 
     rng = random.Random(seed)
     points = sorted(rng.sample(range(3, steps - 2), kills))
     plan = []
     for attempt, step in enumerate(points):
-        phases = [p for p in PHASES if p != "checkpoint" or step % every == 0]
+        phases = [p for p in STEP_PHASES if p != "checkpoint" or step % every == 0]  # no balancer in these jobs
         plan.append({"attempt": attempt, "rank": rng.randrange(ranks), "step": step, "phase": rng.choice(phases)})
     return plan
 
@@ -422,12 +422,12 @@ def front_page(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m dynmo_lightning.bench.recovery --out docs/bench``: the restart tier's rows and the overhead."""
-    from dynmo_lightning.bench.kills import PHASES
+    from dynmo_lightning.bench.kills import STEP_PHASES
 
     p = argparse.ArgumentParser(prog="python -m dynmo_lightning.bench.recovery")
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     p.add_argument("--work", type=Path, default=Path("bench/recovery"))
-    p.add_argument("--phases", nargs="*", default=list(PHASES))
+    p.add_argument("--phases", nargs="*", default=list(STEP_PHASES))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--overhead-width", type=int, default=256)

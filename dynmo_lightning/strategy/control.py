@@ -109,9 +109,10 @@ class PipelineHandle:
         if self.resizer.in_place is None or not lost or module is None:
             raise error
         survivors = self.resizer.recover(self.local, lost)
-        taken = survivors.taken[self.world.dp_rank]
-        if taken:
-            self.taken = TakenShards(module.trainer.train_dataloader, taken)
+        replica = self.world.dp_rank
+        taken = survivors.shards[replica][1:]
+        self.taken = TakenShards(module.trainer.train_dataloader, taken) if taken else None
+        self.local.runtime.loss_fn = weighted(module.pipeline_loss, survivors.weight(replica))
 
     def surviving(self, call: Callable[[], Any]) -> Any:
         """``call()``; recovering without restart, once more on the survivors' world if a process was lost in it."""
@@ -340,3 +341,10 @@ class PipelineHandle:
     def _record(self, resized: Resized) -> MigrationStats:
         self.partitions.append(resized.partition)  # the handle alone writes the partition history
         return resized.stats
+
+
+def weighted(loss_fn: Callable[[Any, Tensor], Tensor], weight: float) -> Callable[[Any, Tensor], Tensor]:
+    """``loss_fn`` times ``weight`` (``loss_fn`` itself for 1: a replica training on its share of the batch)."""
+    if weight == 1:
+        return loss_fn
+    return lambda output, target: loss_fn(output, target) * weight

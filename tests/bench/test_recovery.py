@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dynmo_lightning.bench import in_place, recovery
-from dynmo_lightning.bench.kills import PHASES, KillAt
+from dynmo_lightning.bench.kills import PHASES, STEP_PHASES, KillAt
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ def test_a_soak_plan_strikes_once_per_attempt_at_increasing_steps():
     assert [k["attempt"] for k in plan] == list(range(10))
     steps = [k["step"] for k in plan]
     assert steps == sorted(set(steps)) and 3 <= steps[0] and steps[-1] < 118
-    assert all(k["phase"] in PHASES and k["rank"] in (0, 1) for k in plan)
+    assert all(k["phase"] in STEP_PHASES and k["rank"] in (0, 1) for k in plan)  # the soak's job has no balancer
     assert all(k["step"] % 10 == 0 for k in plan if k["phase"] == "checkpoint")  # only where a checkpoint is written
     assert recovery.kill_plan(10, 120, 10, seed=3, ranks=2) == plan  # the seed decides
 
@@ -67,7 +67,7 @@ def test_the_reliability_page_shows_the_committed_figures():
     page = (ROOT / "docs" / "reliability.md").read_text()
     assert recovery.tables(result) in page, "regenerate: python -c 'from dynmo_lightning.bench import recovery ...'"
     assert all(row["exact"] for row in result["rows"]) and result["soak"]["exact"]
-    assert {row["phase"] for row in recovery.restart_rows(result)} == set(PHASES[:5])  # the phases of a step
+    assert {row["phase"] for row in recovery.restart_rows(result)} == set(STEP_PHASES)
     moved = in_place.rows(result)
     assert in_place.tables(moved) in page, "regenerate: python -m dynmo_lightning.bench.in_place --out docs/bench"
     assert {row["phase"] for row in moved} == set(PHASES)  # and a migration's, a consolidation's

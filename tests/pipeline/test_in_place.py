@@ -25,10 +25,12 @@ N_LAYERS = 4  # the script's GPT(n_layer=4): pipeline layers = embedding, 4 bloc
 STEPS = 12
 
 
-def _run(tmp: Path, data_parallel: str, victim: int, step: int, phase: str) -> tuple[list[int | None], dict]:
+def _run(
+    tmp: Path, data_parallel: str, victim: int, step: int, phase: str, replicas: int = 2, *later: str
+) -> tuple[list[int | None], dict]:
     tmp.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, str(SCRIPT), str(tmp), data_parallel, str(victim), str(step), phase]
-    codes = run_ranks(4, argv, log_dir=tmp, tag="job", timeout=400)
+    argv = [sys.executable, str(SCRIPT), str(tmp), data_parallel, str(victim), str(step), phase, str(replicas), *later]
+    codes = run_ranks(2 * replicas, argv, log_dir=tmp, tag="job", timeout=400)
     records = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp.glob("rank*.json")}
     return codes, records
 
@@ -83,3 +85,23 @@ def test_the_survivors_go_on_in_place_and_lose_nothing(tmp_path, uninterrupted, 
     assert held == list(range(N_LAYERS + 2)), held
     if phase == "checkpoint":  # the checkpoint the loss interrupted was written by the survivors
         assert (tmp_path / "checkpoints" / "epoch=0-step=8.ckpt").is_dir()
+
+
+def test_losses_one_after_the_other_shift_the_data_to_the_replicas_left(tmp_path):
+    """P = 2 x D = 3: a loss leaves two replicas for three shards (one takes two, the losses weighted by share); a
+    second loss, in the replica that took the extra shard, leaves one replica with all three. Every loss equals the
+    job that lost nothing."""
+    codes, base = _run(tmp_path / "base", "ddp", -1, -1, "none", 3)
+    assert codes == [0] * 6, codes
+    expected = {int(k): v for k, v in base[0]["losses"].items()}
+    codes, records = _run(tmp_path / "run", "ddp", 5, 3, "forward", 3, "0:7:backward")
+    assert codes[5] == -signal.SIGKILL and codes[0] == -signal.SIGKILL, codes
+    assert all(code == 0 for r, code in enumerate(codes) if r not in (0, 5)), codes
+    assert sorted(records) == [2, 3]
+    for record in records.values():
+        assert [(r["step"], r["lost"]) for r in record["recoveries"]] == [(3, [5]), (7, [0])]
+        assert record["world"] == 2
+        losses = {int(k): v for k, v in record["losses"].items()}
+        assert sorted(losses) == list(range(STEPS))
+        for s, loss in losses.items():
+            assert abs(loss - expected[s]) <= 1e-5 * abs(expected[s]), (s, loss, expected[s])

@@ -30,37 +30,48 @@ def test_the_intact_replica_goes_on_and_takes_over_the_lost_replicas_shard():
     layout = ReplicaLayout.even(4, 2)  # replicas [0, 1] and [2, 3]
     lost_last = plan_survivors(layout, [3])
     assert lost_last.members == [0, 1] and lost_last.layout.replicas == [[0, 1]]
-    assert lost_last.layout.shards == [(0, 2)] and lost_last.taken == [[1]]
+    assert lost_last.layout.shards == [(0, 2)] and lost_last.shards == [[0, 1]]
+    assert lost_last.weight(0) == 1.0
     lost_first = plan_survivors(layout, [0])
     assert lost_first.members == [2, 3] and lost_first.layout.replicas == [[0, 1]]
-    assert lost_first.layout.shards == [(1, 2)] and lost_first.taken == [[0]]
+    assert lost_first.layout.shards == [(1, 2)] and lost_first.shards == [[1, 0]]
     packed = plan_survivors(layout, [3], empty=[1])  # a consolidation onto pipeline rank 0 had committed
     assert packed.members == [0] and packed.layout.replicas == [[0]]
 
 
-def test_losses_that_cannot_be_survived_in_place_are_refused():
+def test_uneven_shares_are_weighted_and_a_later_loss_passes_on_what_was_taken_over():
+    layout = ReplicaLayout.even(3, 3)  # three replicas of one stage
+    first = plan_survivors(layout, [2])
+    assert first.shards == [[0, 2], [1]]
+    assert [first.weight(r) for r in (0, 1)] == [4 / 3, 2 / 3]  # (2 + 1) shards' mean = (4/3 L0 + 2/3 L1) / 2
+    second = plan_survivors(first.layout, [0], shards=first.shards)  # the replica that had taken shard 2 is lost
+    assert second.members == [1] and second.shards == [[1, 0, 2]] and second.weight(0) == 1.0
+
+
+def test_a_loss_in_every_replica_is_refused():
     with pytest.raises(PeerLostError, match="every replica"):
         plan_survivors(ReplicaLayout.even(4, 2), [1, 2])
-    with pytest.raises(PeerLostError, match="shared evenly"):
-        plan_survivors(ReplicaLayout.even(3, 3), [2])  # 1 broken, 2 intact: one would train on more samples
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 3), st.integers(2, 6), st.data())
-def test_every_shard_is_trained_on_exactly_once_after_a_loss(pp, dp, data):
+def test_every_shard_is_trained_on_exactly_once_and_weighted_to_the_mean(pp, dp, data):
     layout = ReplicaLayout.even(pp * dp, dp)
     lost = data.draw(st.sets(st.integers(0, pp * dp - 1), min_size=1, max_size=pp * dp - 1))
-    try:
-        plan = plan_survivors(layout, sorted(lost))
-    except PeerLostError:
-        broken = {layout.dp_rank(r) for r in lost}
-        assert len(broken) == dp or (dp - len(broken)) == 0 or len(broken) % (dp - len(broken))
+    broken = {layout.dp_rank(r) for r in lost}
+    if len(broken) == dp:
+        with pytest.raises(PeerLostError):
+            plan_survivors(layout, sorted(lost))
         return
+    plan = plan_survivors(layout, sorted(lost))
     assert not set(plan.members) & lost
-    own = [shard for shard, _ in plan.layout.shards]
-    trained = own + [s for taken in plan.taken for s in taken]
-    assert sorted(trained) == list(range(dp))  # nothing lost, nothing twice
-    assert len({len(t) for t in plan.taken}) == 1  # every replica trains on as many samples per step
+    assert [s[0] for s in plan.shards] == [shard for shard, _ in plan.layout.shards]  # its own first
+    assert sorted(s for shards in plan.shards for s in shards) == list(range(dp))  # nothing lost, nothing twice
+    # the replicas' average of their weighted means is the mean over every shard
+    means = {s: float(s + 1) for s in range(dp)}
+    replica_means = [sum(means[s] for s in shards) / len(shards) for shards in plan.shards]
+    average = sum(plan.weight(r) * m for r, m in enumerate(replica_means)) / len(plan.shards)
+    assert average == pytest.approx(sum(means.values()) / dp)
 
 
 # --- the store: agreement and commit ----------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ leaves every replica it was not part of intact: those replicas hold every layer 
 2. **agree** on who was lost through the job manager's store (torchrun's agent store, or the launching process's),
    which outlives every worker: the first survivor to write the lost set decides it (``compare_set``);
 3. **re-form** the world among the intact replicas' processes (:func:`plan_survivors`); the broken replicas' other
-   processes end (their stage is incomplete); the intact replicas **take over the lost replicas' data shards**, so
-   that every step still trains on the same global batch: the math after the failure equals the uninterrupted run;
+   processes end (their stage is incomplete); the intact replicas **take over the lost replicas' data shards** (whole
+   shards, to the replicas with the fewest; each replica's loss weighted by its share, :meth:`Survivors.weight`), so
+   that every step still trains on the same global batch: the math after the failure equals the uninterrupted run,
+   after any number of losses while one replica is intact;
 4. **re-run the interrupted step** from its beginning: no survivor applied it, because an optimizer step is applied
    only once every process has finished the step's communication (:meth:`InPlace.commit`, a two-phase commit
    through the same store).
@@ -73,41 +75,52 @@ class Survivors:
         lost: the lost global ranks (of the broken world).
         members: the new world's processes (old global ranks, in new-rank order): the intact replicas'.
         layout: the new world's layout (the intact replicas, renumbered; each keeps its data shard).
-        taken: per new replica, the data shards of lost replicas it trains on too, besides its own.
+        shards: per new replica, every data shard it trains on: its own first, then those it took over from lost
+            replicas (now or in an earlier recovery).
     """
 
     lost: list[int]
     members: list[int]
     layout: ReplicaLayout
-    taken: list[list[int]]
+    shards: list[list[int]]
+
+    def weight(self, replica: int) -> float:
+        """The factor on replica ``replica``'s loss that keeps the replicas' gradient average the job's mean.
+
+        A replica training on ``k`` of the ``N`` shards averages over its ``k`` batches, and the average over the
+        ``D'`` replicas weighs each of them as one: its loss counts ``k D' / N`` times.
+        """
+        total = sum(len(s) for s in self.shards)
+        return len(self.shards[replica]) * len(self.shards) / total
 
 
-def plan_survivors(layout: ReplicaLayout, lost: list[int], empty: Sequence[int] = ()) -> Survivors:
-    """Who goes on after ``lost`` died, and which data each intact replica takes over.
+def plan_survivors(
+    layout: ReplicaLayout, lost: list[int], empty: Sequence[int] = (), shards: Sequence[Sequence[int]] | None = None
+) -> Survivors:
+    """Who goes on after ``lost`` died, and which data each intact replica trains on from now.
 
     ``empty``: pipeline ranks that hold no layer any more (a consolidation committed its layer moves before the
-    loss): the intact replicas' processes there leave, as the consolidation meant them to.
+    loss): the intact replicas' processes there leave, as the consolidation meant them to. ``shards``: per replica,
+    the data shards it trains on (``None``: its own only). A broken replica's shards go, one at a time, to the intact
+    replica that trains on the fewest (the first such), so that no shard is lost and none is trained on twice.
 
     Raises:
-        PeerLostError: no replica is intact, or the lost shards do not divide evenly among the intact replicas
-            (every replica must train on as many samples per step, or the gradient average would change).
+        PeerLostError: no replica is intact.
     """
     if any(n != 1 for _, n in layout.parts):
         raise PeerLostError("recovery without restart does not cover replicas that split their shard's batches")
     intact, broken = _intact_replicas(layout, set(lost))
     if not intact:
         raise PeerLostError(f"rank {lost} lost a process in every replica: no replica holds every layer any more")
-    if len(broken) % len(intact):
-        raise PeerLostError(
-            f"{len(broken)} replica(s) broken and {len(intact)} intact: their data shards cannot be shared evenly"
-        )
+    held = [list(s) for s in shards] if shards is not None else [[shard] for shard, _ in layout.shards]
+    kept = {d: held[d] for d in intact}
+    for shard in (s for d in broken for s in held[d]):
+        min(kept.values(), key=len).append(shard)
     t = layout.tp_size
     rows = [[rank for p, rank in enumerate(layout.replicas[d * t + j]) if p not in empty] for d in intact
             for j in range(t)]  # fmt: skip
-    kept = ReplicaLayout(rows, [layout.shards[d] for d in intact], [(0, 1)] * len(intact), t)
-    per = len(broken) // len(intact)
-    taken = [[layout.shards[d][0] for d in broken[i * per : (i + 1) * per]] for i in range(len(intact))]
-    return Survivors(sorted(lost), kept.order, kept.renumbered(), taken)
+    new = ReplicaLayout(rows, [layout.shards[d] for d in intact], [(0, 1)] * len(intact), t)
+    return Survivors(sorted(lost), new.order, new.renumbered(), [kept[d] for d in intact])
 
 
 def _intact_replicas(layout: ReplicaLayout, lost: set[int]) -> tuple[list[int], list[int]]:
@@ -143,8 +156,8 @@ class InPlace:
         #: Recoveries made: ``{"step", "lost", "members", "ranks_lost", "seconds"}`` (``lost`` and ``members`` as
         #: start-up ranks, the processes' stable ids; ``ranks_lost`` as ranks of the world that lost them).
         self.recoveries: list[dict] = []
-        #: Whether replicas train on lost replicas' data: a later loss would lose what they took over.
-        self.shards_taken = False
+        #: Per replica of the world in force, the data shards it trains on (``None``: each its own only).
+        self.shards: list[list[int]] | None = None
 
     def start(self, broadcast: Callable[[object], object]) -> None:
         """Enter a new world: learn its number and the job's listening ports (collective).

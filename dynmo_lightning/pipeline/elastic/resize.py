@@ -35,7 +35,6 @@ from dynmo_lightning.pipeline.elastic.members import ElasticWorld
 from dynmo_lightning.pipeline.stage.local import LocalStages
 from dynmo_lightning.pipeline.stage.migration import MigrationStats
 from dynmo_lightning.pipeline.stage.runtime import StagePlan
-from dynmo_lightning.pipeline.topology.heartbeats import PeerLostError
 from dynmo_lightning.pipeline.topology.pending import end_default_group
 from dynmo_lightning.pipeline.topology.ranks import ReplicaLayout
 from dynmo_lightning.pipeline.topology.world import World
@@ -137,20 +136,18 @@ class Resizer:
         place.
 
         Raises:
-            PeerLostError: the loss cannot be survived in place (no intact replica; uneven shards).
+            PeerLostError: the loss cannot be survived in place (no intact replica).
         """
         world, in_place = self._world, self.in_place
         assert in_place is not None and world.layout is not None and world.environment is not None
         started = time.monotonic()
         agreed = in_place.agree(lost)
-        if in_place.shards_taken:
-            raise PeerLostError(f"rank {agreed} lost after replicas took over lost replicas' data: not survived")
         lps, empty = list(stages.plan.layers_per_stage), []
         if stages.packed is not None:  # a consolidation committed its moves before the loss: its kept ranks go on
             keep, lps = stages.packed
             empty = [p for p in range(world.layout.pp_size) if p not in keep]
-        plan = plan_survivors(world.layout, agreed, empty)
-        in_place.shards_taken = any(plan.taken)
+        plan = plan_survivors(world.layout, agreed, empty, in_place.shards)
+        in_place.shards = plan.shards
         world.heartbeats.stop()
         # the interrupted step may have left units gathered (their modules holding whole, plain parameters)
         stages.sharding.reshard([stages.module])
