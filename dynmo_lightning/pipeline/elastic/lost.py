@@ -113,14 +113,25 @@ def plan_survivors(
     if not intact:
         raise PeerLostError(f"rank {lost} lost a process in every replica: no replica holds every layer any more")
     held = [list(s) for s in shards] if shards is not None else [[shard] for shard, _ in layout.shards]
-    kept = {d: held[d] for d in intact}
+    kept = _share_out(held, intact, broken)
+    new = _kept_layout(layout, intact, empty)
+    return Survivors(sorted(lost), new.order, new.renumbered(), kept)
+
+
+def _share_out(held: list[list[int]], intact: list[int], broken: list[int]) -> list[list[int]]:
+    """The intact replicas' shards, the broken replicas' given one at a time to the one with the fewest."""
+    kept = {d: list(held[d]) for d in intact}
     for shard in (s for d in broken for s in held[d]):
         min(kept.values(), key=len).append(shard)
+    return [kept[d] for d in intact]
+
+
+def _kept_layout(layout: ReplicaLayout, intact: list[int], empty: Sequence[int]) -> ReplicaLayout:
+    """The intact replicas (each reading its own shard), without the pipeline ranks in ``empty``; old ranks."""
     t = layout.tp_size
     rows = [[rank for p, rank in enumerate(layout.replicas[d * t + j]) if p not in empty] for d in intact
             for j in range(t)]  # fmt: skip
-    new = ReplicaLayout(rows, [layout.shards[d] for d in intact], [(0, 1)] * len(intact), t)
-    return Survivors(sorted(lost), new.order, new.renumbered(), [kept[d] for d in intact])
+    return ReplicaLayout(rows, [layout.shards[d] for d in intact], [(0, 1)] * len(intact), t)
 
 
 def _intact_replicas(layout: ReplicaLayout, lost: set[int]) -> tuple[list[int], list[int]]:
