@@ -104,11 +104,10 @@ class PipelineHandle:
         The survivors' world is formed and adopted and this replica takes over its share of the lost replicas' data;
         the caller runs the step again from its beginning (its gradients start from none, as every step's do).
         """
-        lost = getattr(error, "lost", None)
         module = self._strategy.lightning_module
-        if self.resizer.in_place is None or not lost or module is None:
+        if self.resizer.in_place is None or not error.lost or module is None:
             raise error
-        survivors = self.resizer.recover(self.local, lost)
+        survivors = self.resizer.recover(self.local, error.lost)
         replica = self.world.dp_rank
         taken = survivors.shards[replica][1:]
         self.taken = TakenShards(module.trainer.train_dataloader, taken) if taken else None

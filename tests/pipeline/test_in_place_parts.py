@@ -98,7 +98,7 @@ def test_a_step_is_committed_only_when_every_process_voted():
             voters[i].commit(5, 3)
             outcome[i] = "applied"
         except PeerLostError as e:
-            outcome[i] = f"lost {e.lost}"  # type: ignore[attr-defined]
+            outcome[i] = f"lost {e.lost}"
 
     threads = [threading.Thread(target=vote, args=(i,)) for i in (0, 1)]  # process 2 died before it voted
     for t in threads:

@@ -226,9 +226,7 @@ class InPlace:
         deadline = time.monotonic() + self.timeout.total_seconds()
         while time.monotonic() < deadline:
             if self.lost_event.is_set():
-                error = PeerLostError(f"rank {self.last_lost} was lost before step {step} was committed")
-                error.lost = self.last_lost  # type: ignore[attr-defined]
-                raise error
+                raise PeerLostError(f"rank {self.last_lost} was lost before step {step} was committed", self.last_lost)
             try:
                 self.store.wait([done], timedelta(milliseconds=100))
                 return

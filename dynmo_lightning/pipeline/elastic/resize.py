@@ -152,11 +152,10 @@ class Resizer:
         # the interrupted step may have left units gathered (their modules holding whole, plain parameters)
         stages.sharding.reshard([stages.module])
         me, step = world.rank, self._host.lightning_module.trainer.global_step
+        end_default_group()
         if me not in plan.members:
             log.warning("rank %d leaves: rank %s of its replica was lost; the intact replicas go on", me, agreed)
-            end_default_group()
             groups.end_process()
-        end_default_group()
         args = self._world_args()
         kwargs = {"device_id": args["device"]} if args["device"].type == "cuda" else {}
         origins = self._elastic.origins  # start-up ranks, the processes' stable ids (for the record)

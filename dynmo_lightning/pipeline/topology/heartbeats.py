@@ -34,7 +34,16 @@ _LOST = "dynmo/lost"
 
 
 class PeerLostError(RuntimeError):
-    """A process of the job died (or stopped responding) while this one needed it."""
+    """A process of the job died (or stopped responding) while this one needed it.
+
+    Args:
+        message: what happened, naming the lost rank and the phase.
+        lost: the lost global ranks, when known (a recovery without restart starts from them).
+    """
+
+    def __init__(self, message: str, lost: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.lost = list(lost or [])
 
 
 class Watchdog:
@@ -159,12 +168,11 @@ class Watchdog:
         who = f"rank {', '.join(map(str, lost))}" if lost else "another process"
         if self._on_lost is not None and lost:
             self._lost_once(lost)  # peers waiting on this process fail now too: every survivor comes to recover
-        failure = PeerLostError(
+        return PeerLostError(
             f"{who} of the job was lost during {phase} (step {step}); rank {self.rank} stops too. "
-            f"Resume from the last checkpoint. Cause: {type(error).__name__}: {error}"
+            f"Resume from the last checkpoint. Cause: {type(error).__name__}: {error}",
+            lost,
         )
-        failure.lost = lost  # type: ignore[attr-defined]  # who, for a recovery without restart
-        return failure
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
