@@ -35,7 +35,14 @@ LOSSES = "losses.jsonl"
 #: Phase of every row and the victim's rank: a last stage (its replica's pipeline partner survives alone and leaves)
 #: and, for a step's start, rank 0 (the store the survivors meet at is not in any worker).
 VICTIMS = {"step": 0, "forward": 3, "backward": 3, "optimizer": 1, "checkpoint": 1, "migration": 3,
-           "consolidation": 3}  # fmt: skip
+           "consolidation": 3, "copies": 3}  # fmt: skip
+
+
+def phases_of(mode: str) -> list[str]:
+    """The phases a job of ``data_parallel=mode`` is killed in: every one; ``"copies"`` only where there are copies."""
+    from dynmo_lightning.bench.kills import PHASES
+
+    return [phase for phase in PHASES if phase != "copies" or mode == "fsdp"]
 
 
 class StepLosses(pl.Callback):
@@ -165,8 +172,9 @@ def front_page(result: dict[str, Any]) -> str:
     worst = max(r["max_rel_loss_difference"] for r in moved)
     exact = all(r["exact"] for r in moved)
     return (
-        "**Recovery without restart** (`on_peer_lost=\"recover\"`, P = 2 x D = 2 on 4 CPU processes, one SIGKILLed in "
-        "each phase: a step, forward, backward, optimizer step, checkpoint save, migration, consolidation; "
+        "**Recovery without restart** (`on_peer_lost=\"recover\"`, P = 2 x D = 2 ddp and fsdp on 4 CPU processes, "
+        "one SIGKILLed in each phase: a step, forward, backward, optimizer step, checkpoint save, migration, "
+        "consolidation, fsdp's copies of its shards; "
         "[docs/reliability.md](docs/reliability.md#recovery-without-restart)): the intact replica goes on in the "
         f"same processes, **{min(mttr):.1f}\u2013{max(mttr):.1f} s** from the kill to the next step, "
         f"{max(r['steps_lost'] for r in moved)} steps lost, every loss after it "
@@ -176,11 +184,13 @@ def front_page(result: dict[str, Any]) -> str:
 
 def tables(moved: list[dict[str, Any]]) -> str:
     """The Markdown table of docs/reliability.md's in-place section (a test holds the page equal to it)."""
-    lines = ["| phase killed | rank | time to the next step | steps lost | world | tokens/s before → after (ideal) | "
-             "losses vs. never killed |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = ["| data parallel | phase killed | rank | time to the next step | steps lost | world | tokens/s before → "
+             "after (ideal) | losses vs. never killed |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in moved:
         lines.append(
-            f"| {r['phase']} | {r['killed_rank']} | {r['mttr_s']:.1f} s | {r['steps_lost']} | {r['world_before']} → "
+            f"| {r['data_parallel']} | {r['phase']} | {r['killed_rank']} | {r['mttr_s']:.1f} s | {r['steps_lost']} | "
+            f"{r['world_before']} → "
             f"{r['world_after']} | {r['tokens_per_s_before']:.0f} → {r['tokens_per_s_after']:.0f} "
             f"({r['ideal_tokens_per_s_after']:.0f}) | {r['max_rel_loss_difference']:.1e} "
             f"{'(exact)' if r['exact'] else '(NOT exact)'} |"
@@ -189,34 +199,39 @@ def tables(moved: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m dynmo_lightning.bench.in_place --out docs/bench``: the in-place rows, added to recovery.json."""
-    from dynmo_lightning.bench.kills import PHASES
+    """``python -m dynmo_lightning.bench.in_place --out docs/bench``: the in-place rows, added to recovery.json.
 
+    ``--modes``: the data-parallel modes measured (their rows replace the file's rows of the same modes).
+    """
     p = argparse.ArgumentParser(prog="python -m dynmo_lightning.bench.in_place")
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     p.add_argument("--work", type=Path, default=Path("bench/in_place"))
-    p.add_argument("--phases", nargs="*", default=list(PHASES))
-    p.add_argument("--mode", default="ddp")
+    p.add_argument("--modes", nargs="*", default=["ddp", "fsdp"])
     a = p.parse_args(argv)
-    reference = a.work / f"uninterrupted-{a.mode}"
-    codes = run_job(reference, ["--mode", a.mode])
-    if codes != [0, 0, 0, 0]:
-        raise RuntimeError(f"the uninterrupted reference run failed: exit codes {codes} (logs in {reference})")
-    measured = [in_place_row(a.work, phase, reference, a.mode) for phase in a.phases]
+    measured = []
+    for mode in a.modes:
+        reference = a.work / f"uninterrupted-{mode}"
+        codes = run_job(reference, ["--mode", mode])
+        if codes != [0, 0, 0, 0]:
+            raise RuntimeError(f"the uninterrupted reference run failed: exit codes {codes} (logs in {reference})")
+        measured += [in_place_row(a.work, phase, reference, mode) for phase in phases_of(mode)]
     path = a.out / "recovery.json"
     result = json.loads(path.read_text()) if path.exists() else {"rows": []}
     command = "python -m dynmo_lightning.bench.in_place " + " ".join(argv if argv is not None else sys.argv[1:])
-    result["rows"] = [r for r in result["rows"] if r.get("tier") != "in_place"] + measured
+    kept = [r for r in result["rows"] if r.get("tier") != "in_place" or r.get("data_parallel") not in a.modes]
+    result["rows"] = kept + measured
+    before = result.get("in_place", {})  # the command of rows kept (an older file names one for ddp's)
+    commands = before.get("commands") or ({"ddp": before["command"]} if "command" in before else {})
     result["in_place"] = {
-        "command": command,
+        "commands": {**commands, **dict.fromkeys(a.modes, command)},
         "setup": "4 CPU processes (one machine, the job's store in the launching process), GPT 8 blocks width 64, "
         "batch 8 x 32 tokens per replica, 4 micro-batches, 1F1B, AdamW, P = 2 stages x D = 2 replicas "
-        f"(data_parallel={a.mode}), heartbeat_timeout 3 s; one process SIGKILLed at step 20 of 40; the reference "
+        "(data_parallel of the row), heartbeat_timeout 3 s; one process SIGKILLed at step 20 of 40; the reference "
         "is the same job never killed",
     }
     a.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(tables(measured))
+    print(tables(rows(result)))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ named ``phase``: ``"step"`` (before the step's first forward), ``"forward"`` (in
 this process in that step), ``"backward"`` (inside the first backward of such a layer), ``"optimizer"`` (before the
 optimizer step), ``"checkpoint"`` (inside the save of a checkpoint at that step, before its files are written),
 ``"migration"`` or ``"consolidation"`` (in this process's first layer transfer of a balancer's migration, or of a
-consolidation, at that step: its tensors not yet sent or received).
+consolidation, at that step: its tensors not yet sent or received), ``"copies"`` (under ``fsdp`` with
+``on_peer_lost="recover"``: after the step's optimizer update, as this process starts to exchange its shards' copies).
 ``signal="KILL"`` is a crash (``SIGKILL``: nothing runs after it), ``"STOP"`` a hang (``SIGSTOP``: the process is
 there but silent, as a wedged device or a network partition looks). ``scope="node"`` kills the node: under
 torchrun's elastic agent, the agent that started this process and every process it started (their parent's other
@@ -32,8 +33,9 @@ from dynmo_lightning.pipeline.checkpoint.resume import restart_count
 
 #: Where in a step a fault can strike.
 STEP_PHASES = ("step", "forward", "backward", "optimizer", "checkpoint")
-#: ... and where it can strike in a balancer's work (a job that migrates or consolidates).
-PHASES = (*STEP_PHASES, "migration", "consolidation")
+#: ... and where it can strike in a balancer's work (a job that migrates or consolidates), and in the exchange of
+#: FSDP2's shards' copies after an optimizer step (``on_peer_lost="recover"`` under ``fsdp``: the step is applied).
+PHASES = (*STEP_PHASES, "migration", "consolidation", "copies")
 
 
 def node_processes(agent: int | None = None) -> list[int]:
@@ -88,6 +90,7 @@ class KillAt(Callback):
         self.record = None if record is None else Path(record)
         self.armed = every_start or restart_count() == 0
         self._step = -1  # the training step in progress
+        self._stepped = False  # its optimizer step began
         self._origin: int | None = None  # this process's rank when training started
 
     @override
@@ -96,6 +99,8 @@ class KillAt(Callback):
             self._origin = trainer.global_rank
         if self.phase in ("migration", "consolidation") and self._origin == self.rank:
             self._strike_in_transfers(trainer)
+        if self.phase == "copies" and self._origin == self.rank:
+            self._strike_in_copies(trainer)
 
     def _strike_in_transfers(self, trainer: pl.Trainer) -> None:
         """Strike in the first layer transfer (tensors sent or received) of a migration / consolidation when due.
@@ -123,6 +128,20 @@ class KillAt(Callback):
         transport.send_tensors = striking(transport.send_tensors)
         transport.recv_tensors = striking(transport.recv_tensors)
 
+    def _strike_in_copies(self, trainer: pl.Trainer) -> None:
+        """Strike as this process starts the exchange of its shards' copies after the optimizer step, when due."""
+        mirror = trainer.strategy.pipeline_control.resizer.in_place.mirror
+        if mirror is None:
+            raise ValueError("KillAt(phase='copies') needs on_peer_lost='recover' under data_parallel='fsdp'")
+        exchange = mirror.exchange
+
+        def striking(*args: Any, **kwargs: Any) -> Any:
+            if self.armed and self._step == self.step and self._stepped:
+                self.strike()
+            return exchange(*args, **kwargs)
+
+        mirror.exchange = striking
+
     def _due(self, trainer: pl.Trainer, phase: str) -> bool:
         return self.armed and phase == self.phase and self._origin == self.rank and self._step == self.step
 
@@ -143,7 +162,7 @@ class KillAt(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self._step = trainer.global_step
+        self._step, self._stepped = trainer.global_step, False
         if self._due(trainer, "step"):
             self.strike()
         if self._due(trainer, "forward") or self._due(trainer, "backward"):
@@ -157,6 +176,7 @@ class KillAt(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._stepped = True
         if self._due(trainer, "optimizer"):
             self.strike()
 

@@ -136,14 +136,14 @@ def _wait_with_replicas_or_parts(c: Composition) -> str:
     )
 
 
-def _recover_without_whole_replicas(c: Composition) -> str:
-    # A lost process's layers come from a replica that holds them whole; FSDP2 and tensor parallelism hold parts,
-    # and a lost part has no other holder.
+def _recover_without_replicas(c: Composition) -> str:
+    # A lost process's layers come from another replica (whole under ddp / replicate, FSDP2's shards from the copies
+    # its replica peers keep); a tensor-parallel part has no other holder.
     return (
-        "strategy.on_peer_lost='recover' takes a lost process's layers from a replica that holds them whole: it needs "
-        "strategy.data_parallel_size >= 2 with data_parallel='ddp' or 'replicate' and no tensor parallelism (got "
-        f"data_parallel_size={c.data_parallel_size}, data_parallel={c.data_parallel!r}, tensor_parallel_size="
-        f"{c.tensor_parallel_size}). Use on_peer_lost='stop' with auto_resume (recovery by restart) otherwise"
+        "strategy.on_peer_lost='recover' takes a lost process's layers from another replica: it needs "
+        "strategy.data_parallel_size >= 2 and no tensor parallelism (got "
+        f"data_parallel_size={c.data_parallel_size}, tensor_parallel_size={c.tensor_parallel_size}). Use "
+        "on_peer_lost='stop' with auto_resume (recovery by restart) otherwise"
     )
 
 
@@ -201,11 +201,9 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         53,
-        lambda c: c.on_peer_lost == "recover" and (
-            c.data_parallel_size < 2 or c.data_parallel == "fsdp" or c.tensor_parallel_size > 1
-        ),
-        _recover_without_whole_replicas,
-        Composition("fsdp", 2, on_peer_lost="recover"),
+        lambda c: c.on_peer_lost == "recover" and (c.data_parallel_size < 2 or c.tensor_parallel_size > 1),
+        _recover_without_replicas,
+        Composition("fsdp", 2, 2, on_peer_lost="recover"),
     ),
 )
 

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from dynmo_lightning import balance
 from dynmo_lightning.balance.diffusion.driver import DiffusionStage
 from dynmo_lightning.pipeline.elastic import release
+from dynmo_lightning.pipeline.elastic.mirror import entries, holds_parts
 from dynmo_lightning.pipeline.elastic.resize import Resized, ResizeHost, Resizer
 from dynmo_lightning.pipeline.stage.local import LayerEditor, LocalStages
 from dynmo_lightning.pipeline.stage.migration import MigrationStats
@@ -112,6 +113,7 @@ class PipelineHandle:
         taken = survivors.shards[replica][1:]
         self.taken = TakenShards(module.trainer.train_dataloader, taken) if taken else None
         self.local.runtime.loss_fn = weighted(module.pipeline_loss, survivors.weight(replica))
+        self._exchange_copies(module.trainer.global_step)  # the new world's shards, before the step runs again
 
     def surviving(self, call: Callable[[], Any]) -> Any:
         """``call()``; recovering without restart, once more on the survivors' world if a process was lost in it."""
@@ -148,6 +150,57 @@ class PipelineHandle:
                 return result
             except PeerLostError as lost:
                 self.recover(lost)
+
+    def mirrored(self, apply: Callable[[], Any]) -> Any:
+        """Apply an optimizer step (``apply``: closure, commit, update) so that a loss at any point can be survived.
+
+        Under FSDP2 the processes then exchange their new shards' copies (``pipeline/elastic/mirror.py``); a loss
+        before every process holds its predecessor's puts each survivor's own shards back as they were before the
+        step, the survivors recover from the copies of the same state, and the step runs again.
+        """
+        in_place = self.resizer.in_place
+        assert in_place is not None and self._strategy.lightning_module is not None
+        step = self._strategy.lightning_module.trainer.global_step
+        while True:
+            result = apply()
+            try:
+                self._exchange_copies(step, after_update=True)
+                return result
+            except PeerLostError as lost:
+                if in_place.mirror is not None:
+                    in_place.mirror.restore(self.copied_state(), in_place.world)
+                self.recover(lost)
+
+    def keep_copies(self) -> None:
+        """Before a training step: copies of the shards as they are now, where layers changed since the last."""
+        in_place = self.resizer.in_place
+        if in_place is None or in_place.mirror is None or self._strategy.lightning_module is None:
+            return
+        if not in_place.mirror.current(self.copied_state(), in_place.world):
+            self._exchange_copies(self._strategy.lightning_module.trainer.global_step)
+
+    def copied_state(self) -> list[Tensor]:
+        """The tensors of this process's layers' state that the copies are of (``mirror.entries``)."""
+        return entries(self.local.slots, self._strategy.optimizers)
+
+    def _exchange_copies(self, step: int, after_update: bool = False) -> None:
+        """Exchange the shards' copies over each stage's replica group (collective over it).
+
+        ``after_update``: of a step just applied; the copies are in force once every process of the job voted that it
+        holds its predecessor's (a loss before that rolls every survivor back). Otherwise of the state as it is (the
+        layers changed between steps, or a new world): in force once this process holds its predecessor's, as the
+        state did not change; a peer's copies that are not in force are not offered after a loss.
+        """
+        in_place = self.resizer.in_place
+        mirror = None if in_place is None else in_place.mirror
+        held = self.copied_state()
+        if in_place is None or mirror is None or self.world.dp_size < 2 or not holds_parts(held):
+            return  # no loss to survive (one replica), or nothing to copy (ddp / replicate hold stages whole)
+        with self.world.phase(f"training step {step} (copies of the shards on the replica peers)"):
+            mirror.exchange(held, self.local.sharding.mesh().get_group(), in_place.world)
+            if after_update:
+                in_place.commit(step, self.world.size, "held")
+        mirror.promote()
 
     # --- the strategy's settings and the world's facts, as the roles read them (docs: core/control.py) ----------
     n_microbatches = Forwarded("_strategy")
@@ -272,7 +325,7 @@ class PipelineHandle:
             return MigrationStats(moves=[])
         try:
             with self.world.phase(f"layer migration {self.layers_per_stage} -> {lps}"):
-                stats = self.local.migrate(new, self._strategy.optimizers)
+                stats = self.local.migrate(new, self._strategy.optimizers, self._agree_on_moves())
         except PeerLostError as lost:
             return self._survive(lost)
         return self._record(Resized(stats, {"step": self._step(), "layers_per_stage": lps}))
@@ -323,6 +376,16 @@ class PipelineHandle:
     def _step(self) -> int:
         module = self._strategy.lightning_module
         return module.trainer.global_step if module is not None else -1
+
+    def _agree_on_moves(self) -> dist.ProcessGroup | None:
+        """Who commits a migration together: the pipeline, or every process where FSDP2's shards have copies.
+
+        A move that commits in one replica and not in another would leave a moved layer's copies on processes that
+        no longer hold it.
+        """
+        if self.resizer.in_place is None or self.world.mesh is None or not holds_parts(self.copied_state()):
+            return None
+        return self.world.mesh.control or dist.group.WORLD  # (``None`` names the default group there: gloo's)
 
     def _survive(self, lost: PeerLostError) -> MigrationStats:
         """A process was lost during a migration or a consolidation: the survivors go on (or ``lost`` is raised).

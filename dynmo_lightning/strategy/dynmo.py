@@ -39,6 +39,7 @@ from dynmo_lightning.pipeline.checkpoint.resume import count_the_epoch_in_progre
 from dynmo_lightning.pipeline.elastic import survivors as groups
 from dynmo_lightning.pipeline.elastic.lifetimes import torchrun_world_store
 from dynmo_lightning.pipeline.elastic.lost import InPlace, check_job_store
+from dynmo_lightning.pipeline.elastic.mirror import ShardMirror
 from dynmo_lightning.pipeline.parallel.data_parallel import FSDP_MODES, StageSharding
 from dynmo_lightning.pipeline.parallel.tensor_parallel import TensorParallel
 from dynmo_lightning.pipeline.stage.evaluation import PipelineEvaluation
@@ -158,6 +159,9 @@ class DynMoStrategy(WrappedPlugins):
         device = self.root_device
         backend = self.process_group_backend or fabric_dist._get_default_process_group_backend_for_device(device)
         self.process_group_backend = backend
+        in_place = self._pipeline.resizer.in_place
+        if in_place is not None:  # a lost shard's copy lives on a replica peer (idle where stages are held whole)
+            in_place.mirror = ShardMirror(torch.device("cpu") if backend == "gloo" else device)
         kwargs: dict[str, Any] = {"device_id": device} if device.type != "cpu" else {}
         store = torchrun_world_store(self._world.timeout)  # under torchrun: not a dead world's keys
         if store is not None:
@@ -221,6 +225,7 @@ class DynMoStrategy(WrappedPlugins):
         )
         if handle.resizer.in_place is not None:  # an optimizer step is applied once every process is done with it
             self.precision_plugin.run_closure = handle.committed
+            self.precision_plugin.run_step = handle.mirrored
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -258,6 +263,7 @@ class DynMoStrategy(WrappedPlugins):
         batch = args[0] if args else kwargs["batch"]
         while True:
             try:
+                self._pipeline.keep_copies()  # under FSDP2, copies of the shards as the step starts with them
                 return self._training_step(self._pipeline.with_taken_shards(batch))
             except PeerLostError as lost:  # recovering without restart: the step again, on the survivors' world
                 self._pipeline.recover(lost)
@@ -380,6 +386,10 @@ class DynMoStrategy(WrappedPlugins):
                 break
             except PeerLostError as lost:  # recovering without restart: written again, by the survivors
                 self._pipeline.recover(lost)
+                # what Lightning gathered names the broken world's shards (FSDP2): gathered again from the new world
+                checkpoint["state_dict"] = self.lightning_module_state_dict()
+                if "optimizer_states" in checkpoint:
+                    checkpoint["optimizer_states"] = [self.optimizer_state(o) for o in self.optimizers]
         if merged is not None and self.is_global_zero:
             self.checkpoint_io.save_checkpoint(merged, filepath, storage_options=storage_options)
         release_host_memory()  # the write's buffers: back to the system, not kept in the heap

@@ -33,6 +33,9 @@ class PipelinePrecision(Precision):
         #: Set by the strategy when it recovers without restart: runs a step's closure (forward, backward, hooks,
         #: clipping) until every process finished it, before the optimizer applies the step. ``None``: as is.
         self.run_closure: Callable[[Callable[[], Any]], Any] | None = None
+        #: Set with ``run_closure``: applies a whole optimizer step (closure, commit, update) and what must follow it
+        #: before the step counts (the copies of FSDP2's shards). ``None``: as is.
+        self.run_step: Callable[[Callable[[], Any]], Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
         # Attributes of the wrapped plugin (`precision`, `scaler`, ...); only called for names not found here.
@@ -51,7 +54,7 @@ class PipelinePrecision(Precision):
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         if self.run_closure is not None:
-            optimizer = _CommittedSteps(optimizer, self.run_closure)
+            optimizer = _CommittedSteps(optimizer, self.run_closure, self.run_step)
         return self.inner.optimizer_step(optimizer, model, closure, **kwargs)
 
 
@@ -61,13 +64,19 @@ class _CommittedSteps:
     The closure is the plugin's wrapper: the clipping's communication belongs to the step.
     """
 
-    def __init__(self, optimizer: Any, run_closure: Callable[[Callable[[], Any]], Any]) -> None:
-        self._optimizer, self._run_closure = optimizer, run_closure
+    def __init__(
+        self,
+        optimizer: Any,
+        run_closure: Callable[[Callable[[], Any]], Any],
+        run_step: Callable[[Callable[[], Any]], Any] | None = None,
+    ) -> None:
+        self._optimizer, self._run_closure, self._run_step = optimizer, run_closure, run_step
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         if closure is None:
             return self._optimizer.step(**kwargs)
-        return self._optimizer.step(closure=lambda: self._run_closure(closure), **kwargs)
+        apply = lambda: self._optimizer.step(closure=lambda: self._run_closure(closure), **kwargs)  # noqa: E731
+        return apply() if self._run_step is None else self._run_step(apply)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)

@@ -3,8 +3,10 @@
 The survivors finish the run in the same processes, without reading a checkpoint; the intact replica's processes go
 on (the broken replica's other process leaves with status 0), and every loss of the run equals the uninterrupted
 job's (fp32, rel <= 1e-5): the interrupted step is re-run from its beginning and the intact replica takes over the
-lost replica's data, so every step trains on the same global batch. Migrations and consolidations that a loss
-interrupts leave every layer on exactly one survivor of each pipeline.
+lost replica's data, so every step trains on the same global batch. Under FSDP2 a lost process's shards come from
+the copies its replica peers keep; a loss after the optimizer update but before those copies were exchanged sends
+every survivor back to its own copy of the state before the step (the ``copies`` phase). Migrations and
+consolidations that a loss interrupts leave every layer on exactly one survivor of each pipeline.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _run(
 def uninterrupted(tmp_path_factory) -> dict[str, dict[int, float]]:
     """The losses of the job that loses nothing, per data-parallel mode (rank 0's)."""
     out = {}
-    for mode in ("ddp", "replicate"):
+    for mode in ("ddp", "replicate", "fsdp"):
         codes, records = _run(tmp_path_factory.mktemp(f"base-{mode}"), mode, -1, -1, "none")
         assert codes == [0, 0, 0, 0], codes
         out[mode] = {int(k): v for k, v in records[0]["losses"].items()}
@@ -58,6 +60,16 @@ CASES = [
     ("replicate", 3, 8, "optimizer"),
     ("replicate", 1, 5, "consolidation"),
     ("ddp", 2, 6, "after-consolidation"),  # the world a consolidation made loses a process: its own keys, beats
+    # FSDP2: the lost shards come from the copies the replica peers keep (pipeline/elastic/mirror.py)
+    ("fsdp", 3, 5, "forward"),
+    ("fsdp", 2, 4, "backward"),
+    ("fsdp", 1, 7, "optimizer"),
+    ("fsdp", 0, 3, "step"),
+    ("fsdp", 1, 8, "checkpoint"),
+    ("fsdp", 3, 5, "copies"),  # the step applied, its copies not exchanged: every survivor goes back to its own
+    ("fsdp", 0, 6, "copies"),
+    ("fsdp", 3, 2, "migration"),
+    ("fsdp", 3, 5, "consolidation"),
 ]
 
 
@@ -67,8 +79,10 @@ def test_the_survivors_go_on_in_place_and_lose_nothing(tmp_path, uninterrupted, 
     assert codes[victim] == -signal.SIGKILL, codes
     assert all(code == 0 for r, code in enumerate(codes) if r != victim), codes  # no failure, no restart
     intact = [0, 1] if victim in (2, 3) else [2, 3]
-    # after a committed consolidation onto pipeline rank 0 only that rank of the intact replica goes on
-    members = intact[:1] if "consolidation" in phase else intact
+    # after a committed consolidation onto pipeline rank 0 only that rank of the intact replica goes on; under FSDP2
+    # every pipeline commits its moves or none does (the copies of moved shards would be on the wrong processes)
+    packed = phase == "after-consolidation" or (phase == "consolidation" and mode != "fsdp")
+    members = intact[:1] if packed else intact
     assert sorted(records) == members, f"finished: {sorted(records)}"
     for r in members:
         record = records[r]
@@ -87,14 +101,15 @@ def test_the_survivors_go_on_in_place_and_lose_nothing(tmp_path, uninterrupted, 
         assert (tmp_path / "checkpoints" / "epoch=0-step=8.ckpt").is_dir()
 
 
-def test_losses_one_after_the_other_shift_the_data_to_the_replicas_left(tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_losses_one_after_the_other_shift_the_data_to_the_replicas_left(tmp_path, mode):
     """P = 2 x D = 3: a loss leaves two replicas for three shards (one takes two, the losses weighted by share); a
     second loss, in the replica that took the extra shard, leaves one replica with all three. Every loss equals the
-    job that lost nothing."""
-    codes, base = _run(tmp_path / "base", "ddp", -1, -1, "none", 3)
+    job that lost nothing. Under FSDP2 the second loss's shards come from the copies exchanged in the second world."""
+    codes, base = _run(tmp_path / "base", mode, -1, -1, "none", 3)
     assert codes == [0] * 6, codes
     expected = {int(k): v for k, v in base[0]["losses"].items()}
-    codes, records = _run(tmp_path / "run", "ddp", 5, 3, "forward", 3, "0:7:backward")
+    codes, records = _run(tmp_path / "run", mode, 5, 3, "forward", 3, "0:7:backward")
     assert codes[5] == -signal.SIGKILL and codes[0] == -signal.SIGKILL, codes
     assert all(code == 0 for r, code in enumerate(codes) if r not in (0, 5)), codes
     assert sorted(records) == [2, 3]

@@ -123,6 +123,17 @@ def test_a_step_is_committed_only_when_every_process_voted():
     assert not store.check([later[0]._key("commit/6")])
 
 
+def test_a_process_that_learns_of_a_loss_after_every_vote_was_in_acts_on_the_vote():
+    """The others applied the step (every vote was in before the peer was lost): so must this one, or they part."""
+    store = open_store("127.0.0.1", timedelta(seconds=20))
+    late = _in_place(store)
+    store.add(late._key("held/4"), 1)  # two processes voted, the third (which then died) too:
+    store.set(late._key("held-done/4"), "1")  # every vote was in
+    late.last_lost = [2]
+    late.lost_event.set()
+    late.commit(4, 3, "held")  # returns: no PeerLostError
+
+
 # --- the taken shards ------------------------------------------------------------------------------------------------
 def test_a_taken_shard_delivers_the_batches_its_lost_replica_would_have_read():
     data = TensorDataset(torch.arange(40.0).unsqueeze(1))
@@ -150,9 +161,10 @@ def test_on_peer_lost_settings_are_refused_when_the_strategy_is_made(monkeypatch
         DynMoStrategy(on_peer_lost="later")
     with pytest.raises(ValueError, match="data_parallel_size >= 2"):
         DynMoStrategy(on_peer_lost="recover")
-    with pytest.raises(ValueError, match="data_parallel='ddp' or 'replicate'"):
-        DynMoStrategy(on_peer_lost="recover", data_parallel_size=2, data_parallel="fsdp")
+    with pytest.raises(ValueError, match="no tensor parallelism"):
+        DynMoStrategy(on_peer_lost="recover", data_parallel_size=2, data_parallel="fsdp", tensor_parallel_size=2)
     DynMoStrategy(on_peer_lost="recover", data_parallel_size=2, data_parallel="replicate")
+    DynMoStrategy(on_peer_lost="recover", data_parallel_size=2, data_parallel="fsdp")  # shards' copies on the peers
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     with pytest.raises(ValueError, match="torchrun"):
         check_job_store()  # at set-up: Lightning's own launcher keeps the store in rank 0
@@ -217,6 +229,57 @@ def test_an_optimizer_step_applies_only_after_its_closure_was_committed():
     plugin.optimizer_step(optimizer, model, closure)
     assert events == ["closure", "committed with [1.0, 1.0]"]
     assert param.tolist() == [0.0, 0.0]
+
+
+# --- the copies of FSDP2's shards (real processes) -------------------------------------------------------------------
+_MIRROR = textwrap.dedent(
+    """
+    import sys, datetime
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from dynmo_lightning.pipeline.elastic.mirror import ShardMirror
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    T = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=T)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=T)
+    mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("dp",))
+    whole = [torch.arange(14.0).reshape(7, 2), torch.arange(5.0, dtype=torch.float64)]  # uneven: 3 + 3 + 1 rows
+    weight, moment = (distribute_tensor(w, mesh, [Shard(0)]) for w in whole)
+    count = torch.tensor(3.0)  # held alike by every replica (a step count)
+    state = [weight, moment, count]
+    mirror = ShardMirror(torch.device("cpu"))
+    mirror.exchange(state, mesh.get_group(), world=0)
+    mirror.promote()
+    before = [t.to_local().clone() for t in (weight, moment)]
+    copy = mirror.copies(state, 0)
+    (place,) = copy
+    assert place == (rank - 1) % 3
+    for t, w in zip((weight, moment), whole):
+        assert torch.equal(copy[place](t), w.chunk(3)[place]), (rank, place)  # the predecessor's part, exactly
+    with torch.no_grad():  # a step applied: then the exchange fails before every process holds the new copies
+        weight.to_local().add_(1.0)
+        count.add_(1.0)
+    mirror.exchange(state, mesh.get_group(), world=0)
+    mirror.restore(state, 0)  # not promoted: back to the state of the last complete exchange
+    assert torch.equal(weight.to_local(), before[0]) and count.item() == 3.0
+    assert torch.equal(copy[place](weight), whole[0].chunk(3)[place])
+    assert mirror.copies([weight, moment], 0) == {} and mirror.copies(state, 1) == {}  # other tensors, other world
+    print("ok", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.timeout(90)
+def test_each_process_holds_its_predecessors_shards_and_goes_back_to_its_own():
+    store = open_store("127.0.0.1", timedelta(seconds=60))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _MIRROR, str(r), str(store.port)], stdout=subprocess.PIPE, text=True)
+        for r in range(3)
+    ]
+    out = [p.communicate(timeout=80)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0] and all("ok" in o for o in out), out
 
 
 # --- abandoning a world (real processes) ------------------------------------------------------------------------------

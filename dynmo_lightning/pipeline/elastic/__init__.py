@@ -6,4 +6,5 @@
 * ``resize`` - the strategy's shrink and grow (``Resizer``: it changes the ``World`` in place, returns ``Resized``).
 * ``lifetimes`` - a fresh world per Trainer call in one process, every world ended in order at exit.
 * ``lost`` - recovery without restart: where the survivors of a loss meet and agree, who goes on, the step's commit.
+* ``mirror`` - copies of FSDP2's shards on a replica peer, exchanged every step, so a lost shard has another holder.
 """

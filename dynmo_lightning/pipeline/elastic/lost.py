@@ -1,7 +1,8 @@
 """Recovery without a restart (``strategy.on_peer_lost="recover"``): the survivors of a lost process go on.
 
-With ``D >= 2`` replicas that hold their stages whole (``data_parallel="ddp"`` or ``"replicate"``), a process's death
-leaves every replica it was not part of intact: those replicas hold every layer with all its state. The survivors
+With ``D >= 2`` replicas, a process's death leaves every replica it was not part of intact: those replicas hold every
+layer with all its state (whole under ``data_parallel="ddp"`` or ``"replicate"``; under ``"fsdp"`` their shards and
+the copies they keep of their replica peers' shards, :mod:`~dynmo_lightning.pipeline.elastic.mirror`). The survivors
 
 1. notice (a call fails on the lost peer, or the heartbeats fall silent) and **abandon** the broken world's groups,
    so that no survivor keeps waiting on another (:func:`~dynmo_lightning.pipeline.topology.abandon.abandon_groups`);
@@ -14,7 +15,7 @@ leaves every replica it was not part of intact: those replicas hold every layer 
    after any number of losses while one replica is intact;
 4. **re-run the interrupted step** from its beginning: no survivor applied it, because an optimizer step is applied
    only once every process has finished the step's communication (:meth:`InPlace.commit`, a two-phase commit
-   through the same store).
+   through the same store), or, under FSDP2, every survivor went back to its own copy of the state before it.
 
 What it needs is checked when the strategy is made (:func:`check_on_peer_lost`) and at set-up
 (:func:`check_job_store`).
@@ -33,6 +34,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from dynmo_lightning.core.composition import Composition, refuse
+from dynmo_lightning.pipeline.elastic.mirror import ShardMirror
 from dynmo_lightning.pipeline.topology.abandon import abandon_groups, listening_ports
 from dynmo_lightning.pipeline.topology.heartbeats import PeerLostError
 from dynmo_lightning.pipeline.topology.ranks import ReplicaLayout
@@ -169,6 +171,9 @@ class InPlace:
         self.recoveries: list[dict] = []
         #: Per replica of the world in force, the data shards it trains on (``None``: each its own only).
         self.shards: list[list[int]] | None = None
+        #: The copies of the replica peers' shards that make a lost FSDP2 shard whole again (set at set-up; idle where
+        #: replicas hold their stages whole).
+        self.mirror: ShardMirror | None = None
 
     def start(self, broadcast: Callable[[object], object]) -> None:
         """Enter a new world: learn its number and the job's listening ports (collective).
@@ -209,30 +214,34 @@ class InPlace:
         decided = self.store.compare_set(self._key("lost"), "", ",".join(map(str, sorted(lost))))
         return [int(r) for r in decided.decode().split(",") if r]
 
-    def commit(self, step: int, world_size: int) -> None:
-        """Vote to apply step ``step`` and wait until every process voted (the step's communication all done).
+    def commit(self, step: int, world_size: int, vote: str = "commit") -> None:
+        """Vote ``vote`` for step ``step`` and wait until every process voted.
+
+        ``"commit"``: the step's communication is all done (the optimizer may apply it); ``"held"``: every process
+        holds its predecessor's new shards (``pipeline/elastic/mirror.py``).
 
         Raises:
-            PeerLostError: a process was lost before every vote was in; nobody applies the step.
+            PeerLostError: a process was lost before every vote was in; nobody acts on the vote.
         """
         assert self.store is not None
-        votes, done = self._key(f"commit/{step}"), self._key(f"committed/{step}")
+        votes, done = self._key(f"{vote}/{step}"), self._key(f"{vote}-done/{step}")
         if self.store.add(votes, 1) == world_size:
             self.store.set(done, "1")
             if step > 0:  # every process voted for this step, so all are past the previous one: its keys go
-                for key in (f"commit/{step - 1}", f"committed/{step - 1}"):
+                for key in (f"{vote}/{step - 1}", f"{vote}-done/{step - 1}"):
                     self.store.delete_key(self._key(key))
             return
         deadline = time.monotonic() + self.timeout.total_seconds()
         while time.monotonic() < deadline:
-            if self.lost_event.is_set():
-                raise PeerLostError(f"rank {self.last_lost} was lost before step {step} was committed", self.last_lost)
+            # every vote may be in although a peer was lost since: then the others act on it, and so must this one
+            if self.lost_event.is_set() and not self.store.check([done]):
+                raise PeerLostError(f"rank {self.last_lost} was lost before step {step} was {vote}", self.last_lost)
             try:
                 self.store.wait([done], timedelta(milliseconds=100))
                 return
             except Exception:  # not yet
                 continue
-        raise PeerLostError(f"step {step} was not committed within {self.timeout}")
+        raise PeerLostError(f"step {step} was not {vote} within {self.timeout}")
 
     def rejoin(self, rank: int, world_size: int, backend: str, device_kwargs: dict) -> None:
         """Start the survivors' default process group (collective over them: all were in this world)."""

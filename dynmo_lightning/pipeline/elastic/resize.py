@@ -32,9 +32,12 @@ from dynmo_lightning.pipeline.elastic import release
 from dynmo_lightning.pipeline.elastic import survivors as groups
 from dynmo_lightning.pipeline.elastic.lost import InPlace, Survivors, plan_survivors
 from dynmo_lightning.pipeline.elastic.members import ElasticWorld
+from dynmo_lightning.pipeline.elastic.mirror import entries, holds_parts
 from dynmo_lightning.pipeline.stage.local import LocalStages
 from dynmo_lightning.pipeline.stage.migration import MigrationStats
+from dynmo_lightning.pipeline.stage.reshape import MissingParts
 from dynmo_lightning.pipeline.stage.runtime import StagePlan
+from dynmo_lightning.pipeline.topology.heartbeats import PeerLostError
 from dynmo_lightning.pipeline.topology.pending import end_default_group
 from dynmo_lightning.pipeline.topology.ranks import ReplicaLayout
 from dynmo_lightning.pipeline.topology.world import World
@@ -151,6 +154,8 @@ class Resizer:
         world.heartbeats.stop()
         # the interrupted step may have left units gathered (their modules holding whole, plain parameters)
         stages.sharding.reshard([stages.module])
+        mirror, held = in_place.mirror, entries(stages.slots, self._host.optimizers)
+        copies = mirror.copies(held, in_place.world) if mirror is not None else None  # FSDP2: the lost shards' copies
         me, step = world.rank, self._host.lightning_module.trainer.global_step
         end_default_group()
         if me not in plan.members:
@@ -166,7 +171,10 @@ class Resizer:
         world.adopt(plan.layout, environment, view.num_nodes)
         self._start_heartbeats(environment, [None], [in_place.port])
         kept = StagePlan(tuple(lps), world.pp_size, self._host.schedule)
-        stages.adopt(kept, world.pipeline, self._host.optimizers)
+        try:
+            stages.adopt(kept, world.pipeline, self._host.optimizers, copies)
+        except MissingParts as missing:  # no copy of a lost shard (layers changed since the last exchange)
+            raise PeerLostError(f"rank {agreed} was lost and cannot be made up for in place: {missing}", []) from None
         in_place.recoveries.append({**record, "seconds": time.monotonic() - started})
         return plan
 
@@ -219,7 +227,9 @@ class Resizer:
         # Rank 0 opens the new world's stores now, on ports no other process can take before they are used.
         stores, ports = groups.host_stores(3, world.environment.main_address, world.timeout)
         with world.phase(f"consolidation onto pipeline ranks {keep_ranks} (layer migration and copies)"):
-            stats = stages.pack(keep_ranks, lps, copies, host.optimizers, world.mesh.control)
+            # where shards have copies on replica peers, every pipeline commits its moves or none does
+            mirrored = self.in_place is not None and holds_parts(entries(stages.slots, host.optimizers))
+            stats = stages.pack(keep_ranks, lps, copies, host.optimizers, world.mesh.control, mirrored)
         with world.phase("consolidation (end of the old process group)"):
             dist.barrier()
         world.heartbeats.stop()  # the old world's heartbeats end with it (released processes fall silent on purpose)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dynmo_lightning.core.model import may_leave_parameters_unused
@@ -291,8 +292,12 @@ class LocalStages:
         return sorted(self._changed.get(step, ()))
 
     # ----------------------------------------------------------------------------------------------------------------
-    def migrate(self, new: StagePlan, optimizers: Sequence[Optimizer]) -> MigrationStats:
+    def migrate(
+        self, new: StagePlan, optimizers: Sequence[Optimizer], agree: dist.ProcessGroup | None = None
+    ) -> MigrationStats:
         """Move layers to partition ``new`` with all their state (collective over the pipeline).
+
+        ``agree``: the group that commits together (``pipeline/stage/migration.migrate``; ``None``: the pipeline).
 
         The built stages go first: their buffers (a receive buffer per micro-batch, DDP's gradient buckets) are not
         held while layers travel. After the commit the memory of the layers that left goes back to the device
@@ -300,7 +305,7 @@ class LocalStages:
         moves.
         """
         self._drop_stages()
-        stats = migrate(self.slots, optimizers, self.plan, new, pipe=self.pipe, sharding=self.sharding)
+        stats = migrate(self.slots, optimizers, self.plan, new, pipe=self.pipe, sharding=self.sharding, agree=agree)
         self.ties.follow(self.slots, new, self.pipe.rank, optimizers)
         self.shard()  # arrived units are units again; a tie they would share on this process is refused here
         self.runtime.set_plan(new)
@@ -339,27 +344,37 @@ class LocalStages:
         copies: list[tuple[int, int]],
         optimizers: Sequence[Optimizer],
         job: Any,
+        agree_job: bool = False,
     ) -> MigrationStats:
         """Move every layer onto pipeline ranks ``keep_ranks`` and copy them to new replicas (before a restart).
 
-        ``job`` is the CPU group of the whole job, over which the copies are agreed.
+        ``job`` is the CPU group of the whole job, over which the copies are agreed, and the moves too where
+        ``agree_job`` (``pipeline/stage/migration.migrate``'s ``agree``).
         """
         self._drop_stages()  # as in :meth:`migrate`
         args = (self.slots, optimizers, self.plan, keep_ranks, layers_per_stage, copies)
-        stats = pack(*args, pipe=self.pipe, job=job, sharding=self.sharding)
+        agree = (job or dist.group.WORLD) if agree_job else None  # (``None`` names the default group: gloo's)
+        stats = pack(*args, pipe=self.pipe, job=job, sharding=self.sharding, agree=agree)
         self.packed = (list(keep_ranks), list(layers_per_stage))
         release_cached_memory(self.device)
         return stats
 
-    def adopt(self, plan: StagePlan, pipe: PipelineGroup, optimizers: Sequence[Optimizer]) -> None:
+    def adopt(
+        self,
+        plan: StagePlan,
+        pipe: PipelineGroup,
+        optimizers: Sequence[Optimizer],
+        copies: Mapping[int, Callable[[DTensor], Tensor]] | None = None,
+    ) -> None:
         """Run ``plan`` on ``pipe`` of a new world (layers already packed; the ties get new groups).
 
         Layers held in parts are made parts again on the new world's meshes first (``pipeline/reshape.rehome``:
-        collective over every stage group of the new world).
+        collective over every stage group of the new world), from the ``copies`` of lost places' parts where a loss
+        left them (``pipeline/elastic/mirror.py``).
         """
         self._drop_stages()
         self.packed = None
-        rehome(self.slots, optimizers, self.device, self.sharding, self._apply_parts)
+        rehome(self.slots, optimizers, self.device, self.sharding, self._apply_parts, copies)
         self.shard()  # compiled again where a layer was taken apart
         self.runtime.set_plan(plan, pipe)
         self.ties.follow(self.slots, plan, pipe.rank, optimizers, new_world=True)

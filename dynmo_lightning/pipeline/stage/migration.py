@@ -347,6 +347,7 @@ def migrate(
     *,
     pipe: PipelineGroup,
     sharding: StageSharding | None = None,
+    agree: dist.ProcessGroup | None = None,
 ) -> MigrationStats:
     """Carry out ``old -> new`` on this process (collective over the pipeline group; every rank must call it).
 
@@ -360,6 +361,9 @@ def migrate(
         new: the target partition.
         pipe: this process's pipeline (rank, groups, members' global ranks, the device tensors travel on).
         sharding: how replicas share the layers (units are sent as shards and made units again on arrival).
+        agree: the group whose processes commit together (``None``: the pipeline's). The whole job's, where a
+            replica's move must not commit without the others' (FSDP2's copies on replica peers survive a loss only
+            if no layer moved: ``pipeline/elastic/mirror.py``).
 
     Returns:
         The transfers and this process's bytes sent/received and time.
@@ -386,7 +390,7 @@ def migrate(
 
     _two_phase(
         f"layer migration {list(old.layers_per_stage)} -> {list(new.layers_per_stage)}",
-        pipe.control,
+        pipe.control if agree is None else agree,
         functools.partial(
             _transfer, slots, optimizers, pairs, pipe.global_rank(pipe.rank), pipe, stats, clock, sharding
         ),
@@ -452,6 +456,7 @@ def pack(
     pipe: PipelineGroup,
     job: dist.ProcessGroup | None,
     sharding: StageSharding | None = None,
+    agree: dist.ProcessGroup | None = None,
 ) -> MigrationStats:
     """Move every layer onto the pipeline ranks ``keep_ranks``, then copy them to new replicas (collective).
 
@@ -465,11 +470,12 @@ def pack(
         pipe: this process's pipeline.
         job: the CPU group of the whole job.
         sharding: how replicas share the layers (see :func:`migrate`).
+        agree: the group whose processes commit the moves together (see :func:`migrate`).
     """
     target = [0] * plan.n_ranks
     for stage, rank in enumerate(keep_ranks):
         target[rank] = layers_per_stage[stage]
-    stats = migrate(slots, optimizers, plan, plan.with_layers(target), pipe=pipe, sharding=sharding)
+    stats = migrate(slots, optimizers, plan, plan.with_layers(target), pipe=pipe, sharding=sharding, agree=agree)
     if copies:
         stats.add(replicate(slots, optimizers, copies, pipe=pipe, job=job, sharding=sharding))
     return stats

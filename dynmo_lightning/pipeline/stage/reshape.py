@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -197,6 +197,7 @@ def rehome(
     device: torch.device,
     sharding: StageSharding,
     parts: Callable[[int, nn.Module], None],
+    copies: Mapping[int, Callable[[DTensor], Tensor]] | None = None,
 ) -> None:
     """After the world changed (a consolidation, a growth): this process's layers as parts on the new meshes.
 
@@ -210,6 +211,9 @@ def rehome(
     tensor-parallel parts, the stage's tensor-parallel group (:class:`Regather`), one layer at a time, and made parts
     of the new size (:func:`reshape`, the set-up's own loop).
 
+    After a loss under FSDP2, a lost place's parts come from the ``copies`` a survivor holds of it
+    (:meth:`~dynmo_lightning.pipeline.elastic.mirror.ShardMirror.copies`).
+
     Collective over every stage group of the new world (all processes call it, their layers in order).
     """
     indices = [i for i in slots.local_indices() if held_in_parts(slots.get(i))]
@@ -219,7 +223,7 @@ def rehome(
         for i in indices:
             _in_place(slots, i, optimizers, device, sharding)
         return
-    gather = Regather([slots.get(i) for i in indices], sharding)
+    gather = Regather([slots.get(i) for i in indices], sharding, copies)
     for i in indices:
         reshape(slots, i, lambda layer, opts: None, optimizers, device, parts, gather)
 
@@ -271,6 +275,10 @@ def _in_place(
             optimizers)  # fmt: skip
 
 
+class MissingParts(RuntimeError):
+    """A DTensor cannot be made whole in the new world: no process holds some old place's part any more."""
+
+
 class Regather:
     """Makes a DTensor of a world that ended whole from the parts the processes of a new replica group hold.
 
@@ -291,7 +299,12 @@ class Regather:
         NotImplementedError: a layer split by tensor parallelism only (DDP replicas; refused before launch).
     """
 
-    def __init__(self, layers: Sequence[nn.Module], sharding: StageSharding) -> None:
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        sharding: StageSharding,
+        copies: Mapping[int, Callable[[DTensor], Tensor]] | None = None,
+    ) -> None:
         meshes = {dims: mesh for layer in layers for dims, mesh in _meshes(layer).items()}
         if not set(meshes) <= {("dp",), ("dp", "tp")}:
             raise NotImplementedError(f"re-sharding a layer over a grown replica group on meshes {sorted(meshes)}")
@@ -299,20 +312,26 @@ class Regather:
         self.group = sharding.mesh().get_group()
         self.old_size = old.size(0)
         self.place = _place_in(old)[0]
+        self.copies = dict(copies or {})
         self.tp_group = None
         if ("dp", "tp") in meshes:
             assert sharding.tensor_parallel is not None
             self.tp_group = sharding.tensor_parallel.mesh().get_group()
             # the stage's tensor-parallel processes stay in order (``ReplicaLayout.regroup``)
             assert _place_in(meshes[("dp", "tp")])[1] == dist.get_rank(self.tp_group)
-        # every process's old place, through the group's own device (a tensor: NCCL moves no host objects)
+        # every process's old places: 2 its own, 1 a copy (pipeline/elastic/mirror.py), through the group's own device
+        # (a tensor: NCCL moves no host objects)
         device = sharding.device if dist.get_backend(self.group) != "gloo" else torch.device("cpu")
-        places = [torch.empty(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(places, torch.tensor([self.place], device=device), group=self.group)
-        held = [int(t.item()) for t in places]
-        #: The new group's rank that sends each old place's part (``None``: no process holds it any more, as after
-        #: a loss; only parts replicated over the old group, whole on every process, can then be made whole).
-        self.sender = [held.index(j) if j in held else None for j in range(self.old_size)]
+        held = torch.zeros(self.old_size, dtype=torch.long)
+        held[list(self.copies)] = 1
+        held[self.place] = 2
+        places = [torch.empty_like(held, device=device) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(places, held.to(device), group=self.group)
+        table = torch.stack([t.cpu() for t in places])  # [new rank, old place]
+        #: The new group's rank that sends each old place's part: its holder, else the first holding a copy
+        #: (``None``: no process holds it any more, as after a loss without copies; only parts replicated over the
+        #: old group, whole on every process, can then be made whole).
+        self.sender = [int(table[:, j].argmax()) if int(table[:, j].max()) > 0 else None for j in range(self.old_size)]
 
     def __call__(self, t: DTensor) -> Tensor:
         """``t`` whole (collective over the new replica group, and its tensor-parallel group for a 2-D ``t``)."""
@@ -324,15 +343,19 @@ class Regather:
         if dp is not None:
             if None in self.sender:
                 missing = [j for j, sender in enumerate(self.sender) if sender is None]
-                raise RuntimeError(f"the parts of places {missing} of the replica group are held by no process")
+                raise MissingParts(f"the parts of places {missing} of the replica group are held by no process")
             me = dist.get_rank(self.group)
-            mine = [self.sender[j] == me and self.place == j for j in range(self.old_size)]
+            mine = {j: self._part(t, j, local) for j in range(self.old_size) if self.sender[j] == me}
             local = _join(local, _chunk_shapes(shape, dp, self.old_size), dp, mine, self.group, self.sender)
         if tp and tp[0] is not None:
             n, me = self.tp_size, dist.get_rank(self.tp_group)
             shapes = _chunk_shapes(t.shape, tp[0], n)
-            local = _join(local, shapes, tp[0], [j == me for j in range(n)], self.tp_group, list(range(n)))
+            local = _join(local, shapes, tp[0], {me: local}, self.tp_group, list(range(n)))
         return local
+
+    def _part(self, t: DTensor, place: int, local: Tensor) -> Tensor:
+        """The part of old ``place`` this process sends: its own, or the copy it holds."""
+        return local if place == self.place else self.copies[place](t).to(local.device)
 
     @property
     def tp_size(self) -> int:
@@ -355,14 +378,16 @@ def _chunk_shapes(shape: Sequence[int], dim: int, n: int) -> list[torch.Size]:
     return shapes + [torch.Size([*shape[:dim], 0, *shape[dim + 1 :]])] * (n - len(shapes))
 
 
-def _join(local: Tensor, shapes: list[torch.Size], dim: int, mine: list[bool], group: Any, sender: list[int]) -> Tensor:
+def _join(
+    local: Tensor, shapes: list[torch.Size], dim: int, mine: Mapping[int, Tensor], group: Any, sender: list[int]
+) -> Tensor:
     """The parts of ``shapes`` joined along ``dim``: part ``j`` broadcast by group rank ``sender[j]``.
 
-    ``local`` is the part this process sends (where ``mine[j]``); collective over ``group``.
+    ``mine`` holds the parts this process sends; collective over ``group``.
     """
     parts = []
     for j, shape in enumerate(shapes):
-        part = local.contiguous() if mine[j] else torch.empty(shape, dtype=local.dtype, device=local.device)
+        part = mine[j].contiguous() if j in mine else torch.empty(shape, dtype=local.dtype, device=local.device)
         dist.broadcast(part, group=group, group_src=sender[j])
         parts.append(part)
     return torch.cat(parts, dim)
