@@ -88,6 +88,7 @@ def worker(argv: list[str]) -> None:
     p.add_argument("--phase", default="step")
     p.add_argument("--victim", type=int, default=3)
     p.add_argument("--mode", default="ddp")
+    p.add_argument("--on-peer-lost", default="recover")
     a = p.parse_args(argv)
     callbacks: list[pl.Callback] = [StepClock(a.run / STEPS), StepLosses(a.run / LOSSES)]
     if a.kill_step >= 0:
@@ -100,7 +101,7 @@ def worker(argv: list[str]) -> None:
         callbacks.append(ModelCheckpoint(dirpath=a.run / "checkpoints", save_top_k=-1, every_n_train_steps=10))
     pl.seed_everything(0)
     strategy = DynMoStrategy(n_microbatches=4, data_parallel_size=2, data_parallel=a.mode, heartbeat_timeout=3.0,
-                             on_peer_lost="recover", checkpoint_format="sharded")  # fmt: skip
+                             on_peer_lost=a.on_peer_lost, checkpoint_format="sharded")  # fmt: skip
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))  # torchrun: per node
     trainer = pl.Trainer(accelerator="cpu", devices=devices, num_nodes=torchrun_num_nodes(), strategy=strategy,
                          max_steps=a.steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
@@ -160,6 +161,37 @@ def in_place_row(work: Path, phase: str, reference: Path, mode: str = "ddp", kil
     return {"tier": "in_place", "data_parallel": mode, "background_checkpoints": False, **facts, "exit_codes": codes}
 
 
+def overhead(work: Path, mode: str, repeats: int = 3) -> dict[str, Any]:
+    """What being ready to recover costs a job that loses nothing: ``on_peer_lost="recover"`` against ``"stop"``.
+
+    The same uninterrupted job under both, alternating which runs first in each of ``repeats`` pairs; tokens/s after
+    5 warm-up steps; the ratio recover / stop per pair (its median headlines: this machine's noise is in the range).
+    """
+    rates: dict[str, list[float]] = {"stop": [], "recover": []}
+    for i in range(repeats):
+        for policy in ("stop", "recover") if i % 2 == 0 else ("recover", "stop"):
+            run = work / f"cost-{mode}-{policy}-{i}"
+            codes = run_job(run, ["--mode", mode, "--on-peer-lost", policy])
+            if codes != [0, 0, 0, 0]:
+                raise RuntimeError(f"the {policy} run failed: exit codes {codes} (logs in {run})")
+            rates[policy].append(_rate([r for r in records(run) if r["event"] == "step"], skip=5))
+    ratios = sorted(r / s for r, s in zip(rates["recover"], rates["stop"], strict=True))
+    return {"tokens_per_s": rates, "ratios": ratios, "ratio_median": ratios[len(ratios) // 2]}
+
+
+def overhead_table(result: dict[str, Any]) -> str:
+    """The Markdown table of the readiness cost (docs/reliability.md; a test holds the page equal to it)."""
+    lines = ["| data parallel | tokens/s, stop | tokens/s, recover | recover / stop (median, range) |",
+             "| --- | --- | --- | --- |"]  # fmt: skip
+    for mode, cost in result.get("in_place", {}).get("overhead", {}).items():
+        stop, recover = (sorted(cost["tokens_per_s"][p]) for p in ("stop", "recover"))
+        lines.append(
+            f"| {mode} | {stop[len(stop) // 2]:.0f} | {recover[len(recover) // 2]:.0f} | {cost['ratio_median']:.2f} "
+            f"({cost['ratios'][0]:.2f}\u2013{cost['ratios'][-1]:.2f}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The in-place tier's rows of ``recovery.json``."""
     return [r for r in result["rows"] if r.get("tier") == "in_place"]
@@ -202,36 +234,53 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m dynmo_lightning.bench.in_place --out docs/bench``: the in-place rows, added to recovery.json.
 
     ``--modes``: the data-parallel modes measured (their rows replace the file's rows of the same modes).
+    ``--overhead N``: instead, what being ready costs a job that loses nothing (:func:`overhead`, ``N`` pairs).
     """
     p = argparse.ArgumentParser(prog="python -m dynmo_lightning.bench.in_place")
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     p.add_argument("--work", type=Path, default=Path("bench/in_place"))
     p.add_argument("--modes", nargs="*", default=["ddp", "fsdp"])
+    p.add_argument("--overhead", type=int, default=0)
     a = p.parse_args(argv)
-    measured = []
-    for mode in a.modes:
-        reference = a.work / f"uninterrupted-{mode}"
-        codes = run_job(reference, ["--mode", mode])
-        if codes != [0, 0, 0, 0]:
-            raise RuntimeError(f"the uninterrupted reference run failed: exit codes {codes} (logs in {reference})")
-        measured += [in_place_row(a.work, phase, reference, mode) for phase in phases_of(mode)]
     path = a.out / "recovery.json"
     result = json.loads(path.read_text()) if path.exists() else {"rows": []}
     command = "python -m dynmo_lightning.bench.in_place " + " ".join(argv if argv is not None else sys.argv[1:])
-    kept = [r for r in result["rows"] if r.get("tier") != "in_place" or r.get("data_parallel") not in a.modes]
-    result["rows"] = kept + measured
-    before = result.get("in_place", {})  # the command of rows kept (an older file names one for ddp's)
+    before = result.get("in_place", {})
+    if a.overhead:
+        costs = {mode: overhead(a.work, mode, a.overhead) for mode in a.modes}
+        overheads = {**before.get("overhead", {}), **costs}
+        result["in_place"] = {**before, "overhead": overheads, "overhead_command": command}
+        print(overhead_table(result))
+    else:
+        result["rows"], result["in_place"] = _measure_rows(a.work, a.modes, result["rows"], before, command)
+        print(tables(rows(result)))
+    a.out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _measure_rows(
+    work: Path, modes: list[str], old: list[dict[str, Any]], before: dict[str, Any], command: str
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The file's rows with every phase of ``modes`` measured anew, and the in-place record naming the commands."""
+    measured = []
+    for mode in modes:
+        reference = work / f"uninterrupted-{mode}"
+        codes = run_job(reference, ["--mode", mode])
+        if codes != [0, 0, 0, 0]:
+            raise RuntimeError(f"the uninterrupted reference run failed: exit codes {codes} (logs in {reference})")
+        measured += [in_place_row(work, phase, reference, mode) for phase in phases_of(mode)]
+    kept = [r for r in old if r.get("tier") != "in_place" or r.get("data_parallel") not in modes]
+    # the command of rows kept (an older file names one for ddp's)
     commands = before.get("commands") or ({"ddp": before["command"]} if "command" in before else {})
-    result["in_place"] = {
-        "commands": {**commands, **dict.fromkeys(a.modes, command)},
+    record = {
+        **{k: v for k, v in before.items() if k != "command"},
+        "commands": {**commands, **dict.fromkeys(modes, command)},
         "setup": "4 CPU processes (one machine, the job's store in the launching process), GPT 8 blocks width 64, "
         "batch 8 x 32 tokens per replica, 4 micro-batches, 1F1B, AdamW, P = 2 stages x D = 2 replicas "
         "(data_parallel of the row), heartbeat_timeout 3 s; one process SIGKILLed at step 20 of 40; the reference "
         "is the same job never killed",
     }
-    a.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(tables(rows(result)))
+    return kept + measured, record
 
 
 if __name__ == "__main__":

@@ -75,6 +75,13 @@ def test_the_reliability_page_shows_the_committed_figures():
     assert all(row["exact"] and row["steps_lost"] == 0 for row in moved)
 
 
+def test_the_reliability_page_shows_what_being_ready_to_recover_costs():
+    result = json.loads((ROOT / "docs" / "bench" / "recovery.json").read_text())
+    page = (ROOT / "docs" / "reliability.md").read_text()
+    assert set(result["in_place"]["overhead"]) == {"ddp", "fsdp"}
+    assert in_place.overhead_table(result) in page, "regenerate: python -m dynmo_lightning.bench.in_place --overhead 5"
+
+
 def test_in_place_figures_come_from_the_survivors_records(tmp_path):
     steps = [{"event": "step", "restart": 0, "world": 4, "step": s, "tokens": 512, "time": float(s)} for s in
              range(1, 21)]  # fmt: skip
