@@ -130,9 +130,10 @@ class KillAt(Callback):
 
     def _strike_in_copies(self, trainer: pl.Trainer) -> None:
         """Strike as this process starts the exchange of its shards' copies after the optimizer step, when due."""
-        mirror = trainer.strategy.pipeline_control.resizer.in_place.mirror
-        if mirror is None:
+        in_place = trainer.strategy.pipeline_control.resizer.in_place
+        if in_place is None:
             raise ValueError("KillAt(phase='copies') needs on_peer_lost='recover' under data_parallel='fsdp'")
+        mirror = in_place.mirror
         exchange = mirror.exchange
 
         def striking(*args: Any, **kwargs: Any) -> Any:

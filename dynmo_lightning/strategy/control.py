@@ -113,7 +113,8 @@ class PipelineHandle:
         taken = survivors.shards[replica][1:]
         self.taken = TakenShards(module.trainer.train_dataloader, taken) if taken else None
         self.local.runtime.loss_fn = weighted(module.pipeline_loss, survivors.weight(replica))
-        self._exchange_copies(module.trainer.global_step)  # the new world's shards, before the step runs again
+        # the new world's shards, before the step runs again
+        self._exchange_copies(module.trainer.global_step, self.copied_state())
 
     def surviving(self, call: Callable[[], Any]) -> Any:
         """``call()``; recovering without restart, once more on the survivors' world if a process was lost in it."""
@@ -163,28 +164,29 @@ class PipelineHandle:
         step = self._strategy.lightning_module.trainer.global_step
         while True:
             result = apply()
+            held = self.copied_state()
             try:
-                self._exchange_copies(step, after_update=True)
+                self._exchange_copies(step, held, after_update=True)
                 return result
             except PeerLostError as lost:
-                if in_place.mirror is not None:
-                    in_place.mirror.restore(self.copied_state(), in_place.world)
+                in_place.mirror.restore(held, in_place.world)
                 self.recover(lost)
 
     def keep_copies(self) -> None:
         """Before a training step: copies of the shards as they are now, where layers changed since the last."""
         in_place = self.resizer.in_place
-        if in_place is None or in_place.mirror is None or self._strategy.lightning_module is None:
+        if in_place is None or self._strategy.lightning_module is None:
             return
-        if not in_place.mirror.current(self.copied_state(), in_place.world):
-            self._exchange_copies(self._strategy.lightning_module.trainer.global_step)
+        held = self.copied_state()
+        if not in_place.mirror.current(held, in_place.world):
+            self._exchange_copies(self._strategy.lightning_module.trainer.global_step, held)
 
     def copied_state(self) -> list[Tensor]:
         """The tensors of this process's layers' state that the copies are of (``mirror.entries``)."""
         return entries(self.local.slots, self._strategy.optimizers)
 
-    def _exchange_copies(self, step: int, after_update: bool = False) -> None:
-        """Exchange the shards' copies over each stage's replica group (collective over it).
+    def _exchange_copies(self, step: int, held: list[Tensor], after_update: bool = False) -> None:
+        """Exchange the copies of ``held`` (:meth:`copied_state`) over each stage's replica group (collective over it).
 
         ``after_update``: of a step just applied; the copies are in force once every process of the job voted that it
         holds its predecessor's (a loss before that rolls every survivor back). Otherwise of the state as it is (the
@@ -192,15 +194,13 @@ class PipelineHandle:
         state did not change; a peer's copies that are not in force are not offered after a loss.
         """
         in_place = self.resizer.in_place
-        mirror = None if in_place is None else in_place.mirror
-        held = self.copied_state()
-        if in_place is None or mirror is None or self.world.dp_size < 2 or not holds_parts(held):
+        if in_place is None or self.world.dp_size < 2 or not holds_parts(held):
             return  # no loss to survive (one replica), or nothing to copy (ddp / replicate hold stages whole)
         with self.world.phase(f"training step {step} (copies of the shards on the replica peers)"):
-            mirror.exchange(held, self.local.sharding.mesh().get_group(), in_place.world)
+            in_place.mirror.exchange(held, self.local.sharding.mesh().get_group(), in_place.world)
             if after_update:
                 in_place.commit(step, self.world.size, "held")
-        mirror.promote()
+        in_place.mirror.promote()
 
     # --- the strategy's settings and the world's facts, as the roles read them (docs: core/control.py) ----------
     n_microbatches = Forwarded("_strategy")
@@ -323,9 +323,10 @@ class PipelineHandle:
         new = StagePlan(tuple(lps), self.world.pp_size, self.schedule)
         if new == self.local.plan:
             return MigrationStats(moves=[])
+        assert self.world.mesh is not None
         try:
             with self.world.phase(f"layer migration {self.layers_per_stage} -> {lps}"):
-                stats = self.local.migrate(new, self._strategy.optimizers, self._agree_on_moves())
+                stats = self.local.migrate(new, self._strategy.optimizers, self.world.mesh.control, self._job_wide())
         except PeerLostError as lost:
             return self._survive(lost)
         return self._record(Resized(stats, {"step": self._step(), "layers_per_stage": lps}))
@@ -377,15 +378,13 @@ class PipelineHandle:
         module = self._strategy.lightning_module
         return module.trainer.global_step if module is not None else -1
 
-    def _agree_on_moves(self) -> dist.ProcessGroup | None:
-        """Who commits a migration together: the pipeline, or every process where FSDP2's shards have copies.
+    def _job_wide(self) -> bool:
+        """Whether a migration commits in every pipeline or none: where FSDP2's shards have copies.
 
         A move that commits in one replica and not in another would leave a moved layer's copies on processes that
         no longer hold it.
         """
-        if self.resizer.in_place is None or self.world.mesh is None or not holds_parts(self.copied_state()):
-            return None
-        return self.world.mesh.control or dist.group.WORLD  # (``None`` names the default group there: gloo's)
+        return self.resizer.in_place is not None and holds_parts(self.copied_state())
 
     def _survive(self, lost: PeerLostError) -> MigrationStats:
         """A process was lost during a migration or a consolidation: the survivors go on (or ``lost`` is raised).

@@ -153,15 +153,14 @@ class DynMoStrategy(WrappedPlugins):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         checks.check_world(self.world_size, self.data_parallel_size, self.tensor_parallel_size)
-        if self.settings.on_peer_lost == "recover" and self._pipeline.resizer.in_place is None:
-            check_job_store()
-            self._pipeline.resizer.in_place = InPlace(self._world.timeout)
         device = self.root_device
         backend = self.process_group_backend or fabric_dist._get_default_process_group_backend_for_device(device)
         self.process_group_backend = backend
-        in_place = self._pipeline.resizer.in_place
-        if in_place is not None:  # a lost shard's copy lives on a replica peer (idle where stages are held whole)
-            in_place.mirror = ShardMirror(torch.device("cpu") if backend == "gloo" else device)
+        if self.settings.on_peer_lost == "recover" and self._pipeline.resizer.in_place is None:
+            check_job_store()
+            # a lost FSDP2 shard's copy lives on a replica peer (idle where stages are held whole)
+            mirror = ShardMirror(torch.device("cpu") if backend == "gloo" else device)
+            self._pipeline.resizer.in_place = InPlace(self._world.timeout, mirror)
         kwargs: dict[str, Any] = {"device_id": device} if device.type != "cpu" else {}
         store = torchrun_world_store(self._world.timeout)  # under torchrun: not a dead world's keys
         if store is not None:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dynmo_lightning.pipeline.elastic.lost import InPlace, check_job_store, plan_survivors
+from dynmo_lightning.pipeline.elastic.mirror import ShardMirror
 from dynmo_lightning.pipeline.elastic.survivors import open_store
 from dynmo_lightning.pipeline.topology.data import TakenShards
 from dynmo_lightning.pipeline.topology.heartbeats import PeerLostError, Watchdog, is_distributed_failure
@@ -76,7 +77,7 @@ def test_every_shard_is_trained_on_exactly_once_and_weighted_to_the_mean(pp, dp,
 
 # --- the store: agreement and commit ----------------------------------------------------------------------------------
 def _in_place(store: dist.TCPStore) -> InPlace:
-    in_place = InPlace(timedelta(seconds=20))
+    in_place = InPlace(timedelta(seconds=20), ShardMirror(torch.device("cpu")))
     in_place.store, in_place.port, in_place.prefix = store, store.port, "test"
     return in_place
 
@@ -231,6 +232,17 @@ def test_an_optimizer_step_applies_only_after_its_closure_was_committed():
     assert param.tolist() == [0.0, 0.0]
 
 
+def _three_processes(script: str) -> tuple[list[int], list[str]]:
+    """Run ``script`` as ranks 0, 1, 2 (argv: rank, the port of a store this process hosts); exit codes, outputs."""
+    store = open_store("127.0.0.1", timedelta(seconds=60))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(r), str(store.port)], stdout=subprocess.PIPE, text=True)
+        for r in range(3)
+    ]
+    out = [p.communicate(timeout=80)[0] for p in procs]
+    return [p.returncode for p in procs], out
+
+
 # --- the copies of FSDP2's shards (real processes) -------------------------------------------------------------------
 _MIRROR = textwrap.dedent(
     """
@@ -273,13 +285,8 @@ _MIRROR = textwrap.dedent(
 
 @pytest.mark.timeout(90)
 def test_each_process_holds_its_predecessors_shards_and_goes_back_to_its_own():
-    store = open_store("127.0.0.1", timedelta(seconds=60))
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _MIRROR, str(r), str(store.port)], stdout=subprocess.PIPE, text=True)
-        for r in range(3)
-    ]
-    out = [p.communicate(timeout=80)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0] and all("ok" in o for o in out), out
+    codes, out = _three_processes(_MIRROR)
+    assert codes == [0, 0, 0] and all("ok" in o for o in out), out
 
 
 # --- abandoning a world (real processes) ------------------------------------------------------------------------------
@@ -318,12 +325,7 @@ _ABANDON = textwrap.dedent(
 
 @pytest.mark.timeout(90)
 def test_abandoning_ends_a_survivors_wait_on_another_survivor():
-    store = open_store("127.0.0.1", timedelta(seconds=60))
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _ABANDON, str(r), str(store.port)], stdout=subprocess.PIPE, text=True)
-        for r in range(3)
-    ]
-    out = [p.communicate(timeout=80)[0] for p in procs]
-    assert procs[1].returncode == 9
+    codes, out = _three_processes(_ABANDON)
+    assert codes[1] == 9
     assert "abandoned" in out[2] and "received" not in out[2]
     assert "new world 4" in out[0] and "new world 4" in out[2]  # the survivors meet again (1 + 3)

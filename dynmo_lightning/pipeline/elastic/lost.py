@@ -148,10 +148,13 @@ class InPlace:
 
     Args:
         timeout: of waits on the store.
+        mirror: the copies of the replica peers' shards that make a lost FSDP2 shard whole again (idle where replicas
+            hold their stages whole).
     """
 
-    def __init__(self, timeout: timedelta) -> None:
+    def __init__(self, timeout: timedelta, mirror: ShardMirror) -> None:
         self.timeout = timeout
+        self.mirror = mirror
         self.store: dist.Store | None = None
         self.port = 0
         self.prefix = ""
@@ -171,9 +174,6 @@ class InPlace:
         self.recoveries: list[dict] = []
         #: Per replica of the world in force, the data shards it trains on (``None``: each its own only).
         self.shards: list[list[int]] | None = None
-        #: The copies of the replica peers' shards that make a lost FSDP2 shard whole again (set at set-up; idle where
-        #: replicas hold their stages whole).
-        self.mirror: ShardMirror | None = None
 
     def start(self, broadcast: Callable[[object], object]) -> None:
         """Enter a new world: learn its number and the job's listening ports (collective).

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from dynmo_lightning.pipeline.stage.reshape import _chunk_shapes, _cut_dim
+from dynmo_lightning.pipeline.stage.reshape import chunk_shapes, cut_dim
 from dynmo_lightning.pipeline.stage.slots import LayerSlots
 
 
@@ -69,7 +69,7 @@ def holds_parts(tensors: Sequence[Tensor]) -> bool:
 
 def _sharded(t: Tensor) -> int | None:
     """The dimension ``t``'s replica-group placement cuts (``None``: held whole by every replica)."""
-    return _cut_dim(t.placements[0]) if isinstance(t, DTensor) else None
+    return cut_dim(t.placements[0]) if isinstance(t, DTensor) else None
 
 
 def _local(t: Tensor) -> Tensor:
@@ -108,8 +108,8 @@ class ShardMirror:
         own = [_local(t).detach().to("cpu", copy=True) for t in tensors]
         copy: dict[int, Tensor] = {}
         if size > 1:
-            sent = [_local(t) for t in tensors if _sharded(t) is not None]
-            payload = torch.cat([x.reshape(-1).view(torch.uint8) for x in sent]) if sent else torch.empty(0)
+            sent = [_local(t).reshape(-1).view(torch.uint8) for t in tensors if _sharded(t) is not None]
+            payload = torch.cat(sent) if sent else torch.empty(0, dtype=torch.uint8)
             shapes = self._shapes(tensors, size, (place - 1) % size)
             incoming = torch.empty(sum(n for _, _, n in shapes), dtype=torch.uint8, device=self.device)
             successor, predecessor = (dist.get_global_rank(group, (place + d) % size) for d in (1, -1))
@@ -138,7 +138,7 @@ class ShardMirror:
         for i, t in enumerate(tensors):
             dim = _sharded(t)
             if dim is not None:
-                shape = _chunk_shapes(t.shape, dim, size)[place]
+                shape = chunk_shapes(t.shape, dim, size)[place]
                 out.append((i, shape, shape.numel() * t.dtype.itemsize))
         return out
 

@@ -154,8 +154,8 @@ class Resizer:
         world.heartbeats.stop()
         # the interrupted step may have left units gathered (their modules holding whole, plain parameters)
         stages.sharding.reshard([stages.module])
-        mirror, held = in_place.mirror, entries(stages.slots, self._host.optimizers)
-        copies = mirror.copies(held, in_place.world) if mirror is not None else None  # FSDP2: the lost shards' copies
+        # FSDP2: the lost shards' copies (of the broken world's tensors: asked for before the world ends)
+        copies = in_place.mirror.copies(entries(stages.slots, self._host.optimizers), in_place.world)
         me, step = world.rank, self._host.lightning_module.trainer.global_step
         end_default_group()
         if me not in plan.members:
@@ -228,8 +228,8 @@ class Resizer:
         stores, ports = groups.host_stores(3, world.environment.main_address, world.timeout)
         with world.phase(f"consolidation onto pipeline ranks {keep_ranks} (layer migration and copies)"):
             # where shards have copies on replica peers, every pipeline commits its moves or none does
-            mirrored = self.in_place is not None and holds_parts(entries(stages.slots, host.optimizers))
-            stats = stages.pack(keep_ranks, lps, copies, host.optimizers, world.mesh.control, mirrored)
+            job_wide = self.in_place is not None and holds_parts(entries(stages.slots, host.optimizers))
+            stats = stages.pack(keep_ranks, lps, copies, host.optimizers, world.mesh.control, job_wide)
         with world.phase("consolidation (end of the old process group)"):
             dist.barrier()
         world.heartbeats.stop()  # the old world's heartbeats end with it (released processes fall silent on purpose)

@@ -293,11 +293,12 @@ class LocalStages:
 
     # ----------------------------------------------------------------------------------------------------------------
     def migrate(
-        self, new: StagePlan, optimizers: Sequence[Optimizer], agree: dist.ProcessGroup | None = None
+        self, new: StagePlan, optimizers: Sequence[Optimizer], job: Any = None, job_wide: bool = False
     ) -> MigrationStats:
         """Move layers to partition ``new`` with all their state (collective over the pipeline).
 
-        ``agree``: the group that commits together (``pipeline/stage/migration.migrate``; ``None``: the pipeline).
+        ``job_wide``: commit together with every process of ``job``, the whole job's CPU group
+        (``pipeline/stage/migration.migrate``), not only the pipeline's.
 
         The built stages go first: their buffers (a receive buffer per micro-batch, DDP's gradient buckets) are not
         held while layers travel. After the commit the memory of the layers that left goes back to the device
@@ -305,7 +306,8 @@ class LocalStages:
         moves.
         """
         self._drop_stages()
-        stats = migrate(self.slots, optimizers, self.plan, new, pipe=self.pipe, sharding=self.sharding, agree=agree)
+        args = (self.slots, optimizers, self.plan, new)
+        stats = migrate(*args, pipe=self.pipe, sharding=self.sharding, job=job, job_wide=job_wide)
         self.ties.follow(self.slots, new, self.pipe.rank, optimizers)
         self.shard()  # arrived units are units again; a tie they would share on this process is refused here
         self.runtime.set_plan(new)
@@ -344,17 +346,16 @@ class LocalStages:
         copies: list[tuple[int, int]],
         optimizers: Sequence[Optimizer],
         job: Any,
-        agree_job: bool = False,
+        job_wide: bool = False,
     ) -> MigrationStats:
         """Move every layer onto pipeline ranks ``keep_ranks`` and copy them to new replicas (before a restart).
 
         ``job`` is the CPU group of the whole job, over which the copies are agreed, and the moves too where
-        ``agree_job`` (``pipeline/stage/migration.migrate``'s ``agree``).
+        ``job_wide`` (``pipeline/stage/migration.migrate``).
         """
         self._drop_stages()  # as in :meth:`migrate`
         args = (self.slots, optimizers, self.plan, keep_ranks, layers_per_stage, copies)
-        agree = (job or dist.group.WORLD) if agree_job else None  # (``None`` names the default group: gloo's)
-        stats = pack(*args, pipe=self.pipe, job=job, sharding=self.sharding, agree=agree)
+        stats = pack(*args, pipe=self.pipe, job=job, sharding=self.sharding, job_wide=job_wide)
         self.packed = (list(keep_ranks), list(layers_per_stage))
         release_cached_memory(self.device)
         return stats

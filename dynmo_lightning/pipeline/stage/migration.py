@@ -347,7 +347,8 @@ def migrate(
     *,
     pipe: PipelineGroup,
     sharding: StageSharding | None = None,
-    agree: dist.ProcessGroup | None = None,
+    job: dist.ProcessGroup | None = None,
+    job_wide: bool = False,
 ) -> MigrationStats:
     """Carry out ``old -> new`` on this process (collective over the pipeline group; every rank must call it).
 
@@ -361,9 +362,10 @@ def migrate(
         new: the target partition.
         pipe: this process's pipeline (rank, groups, members' global ranks, the device tensors travel on).
         sharding: how replicas share the layers (units are sent as shards and made units again on arrival).
-        agree: the group whose processes commit together (``None``: the pipeline's). The whole job's, where a
-            replica's move must not commit without the others' (FSDP2's copies on replica peers survive a loss only
-            if no layer moved: ``pipeline/elastic/mirror.py``).
+        job: the CPU group of the whole job (``None``: the default group, as ``Mesh.control``).
+        job_wide: commit together with every process of ``job``, not only the pipeline's: where a replica's move must
+            not commit without the others' (FSDP2's copies on replica peers survive a loss only if no layer moved:
+            ``pipeline/elastic/mirror.py``).
 
     Returns:
         The transfers and this process's bytes sent/received and time.
@@ -390,7 +392,7 @@ def migrate(
 
     _two_phase(
         f"layer migration {list(old.layers_per_stage)} -> {list(new.layers_per_stage)}",
-        pipe.control if agree is None else agree,
+        job if job_wide else pipe.control,
         functools.partial(
             _transfer, slots, optimizers, pairs, pipe.global_rank(pipe.rank), pipe, stats, clock, sharding
         ),
@@ -456,7 +458,7 @@ def pack(
     pipe: PipelineGroup,
     job: dist.ProcessGroup | None,
     sharding: StageSharding | None = None,
-    agree: dist.ProcessGroup | None = None,
+    job_wide: bool = False,
 ) -> MigrationStats:
     """Move every layer onto the pipeline ranks ``keep_ranks``, then copy them to new replicas (collective).
 
@@ -470,12 +472,13 @@ def pack(
         pipe: this process's pipeline.
         job: the CPU group of the whole job.
         sharding: how replicas share the layers (see :func:`migrate`).
-        agree: the group whose processes commit the moves together (see :func:`migrate`).
+        job_wide: the moves commit over ``job`` (see :func:`migrate`).
     """
     target = [0] * plan.n_ranks
     for stage, rank in enumerate(keep_ranks):
         target[rank] = layers_per_stage[stage]
-    stats = migrate(slots, optimizers, plan, plan.with_layers(target), pipe=pipe, sharding=sharding, agree=agree)
+    new = plan.with_layers(target)
+    stats = migrate(slots, optimizers, plan, new, pipe=pipe, sharding=sharding, job=job, job_wide=job_wide)
     if copies:
         stats.add(replicate(slots, optimizers, copies, pipe=pipe, job=job, sharding=sharding))
     return stats

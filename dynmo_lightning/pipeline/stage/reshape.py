@@ -335,10 +335,10 @@ class Regather:
 
     def __call__(self, t: DTensor) -> Tensor:
         """``t`` whole (collective over the new replica group, and its tensor-parallel group for a 2-D ``t``)."""
-        dp, *tp = (_cut_dim(p) for p in t.placements)
+        dp, *tp = (cut_dim(p) for p in t.placements)
         shape = t.shape
         if tp and tp[0] is not None:  # this process's tensor-parallel part, as the plan cut it (torch's chunks)
-            shape = _chunk_shapes(shape, tp[0], self.tp_size)[dist.get_rank(self.tp_group)]
+            shape = chunk_shapes(shape, tp[0], self.tp_size)[dist.get_rank(self.tp_group)]
         local = t.to_local()
         if dp is not None:
             if None in self.sender:
@@ -346,10 +346,10 @@ class Regather:
                 raise MissingParts(f"the parts of places {missing} of the replica group are held by no process")
             me = dist.get_rank(self.group)
             mine = {j: self._part(t, j, local) for j in range(self.old_size) if self.sender[j] == me}
-            local = _join(local, _chunk_shapes(shape, dp, self.old_size), dp, mine, self.group, self.sender)
+            local = _join(local, chunk_shapes(shape, dp, self.old_size), dp, mine, self.group, self.sender)
         if tp and tp[0] is not None:
             n, me = self.tp_size, dist.get_rank(self.tp_group)
-            shapes = _chunk_shapes(t.shape, tp[0], n)
+            shapes = chunk_shapes(t.shape, tp[0], n)
             local = _join(local, shapes, tp[0], {me: local}, self.tp_group, list(range(n)))
         return local
 
@@ -363,7 +363,7 @@ class Regather:
         return 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
 
 
-def _cut_dim(placement: Any) -> int | None:
+def cut_dim(placement: Any) -> int | None:
     """The dimension a placement cuts; ``None``: ``Replicate``.
 
     ``Shard``, and the ``_StridedShard`` FSDP2 lays over a tensor-parallel cut of the same dimension: it cuts this
@@ -372,7 +372,7 @@ def _cut_dim(placement: Any) -> int | None:
     return None if placement.is_replicate() else placement.dim
 
 
-def _chunk_shapes(shape: Sequence[int], dim: int, n: int) -> list[torch.Size]:
+def chunk_shapes(shape: Sequence[int], dim: int, n: int) -> list[torch.Size]:
     """The shapes of ``n`` parts of ``shape`` cut along ``dim`` as ``torch.chunk`` cuts them (empty ones last)."""
     shapes = [c.shape for c in torch.empty(shape, device="meta").chunk(n, dim)]
     return shapes + [torch.Size([*shape[:dim], 0, *shape[dim + 1 :]])] * (n - len(shapes))
